@@ -1,0 +1,254 @@
+"""``kvoffload demo``: a daemon plus a simulated hybrid-model engine, with a readable summary.
+
+The simulated engine does what a vLLM engine with our plugin does, minus the GPU: for each turn
+of the multi-turn chat workload it hashes the prompt, asks the daemon for the longest hit
+(complete chunks plus partial tail, pinned), copies the hit blocks out of the shared pool and
+verifies every byte, "recomputes" the rest, then stores every new complete chunk and the
+partial tails at the prompt end and at the turn end, writing real bytes into the pool for
+every tensor-parallel rank. Block contents derive from the key, so any wrong byte is caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvoffload.bench.workload import PRESETS, Turn, block_hashes, chat_turns
+from kvoffload.connector.client import AsyncDaemonClient
+from kvoffload.daemon import protocol as p
+from kvoffload.daemon.config import Config, parse_size
+from kvoffload.daemon.types import Geometry, make_key
+
+PREFILL_TOKENS_PER_S = 10_000  # hybrid 27B on one H200 (workloads.md time model)
+COPY_BYTES_PER_S = 50e9  # pinned host-to-device over PCIe Gen5 x16
+
+
+@dataclass
+class Summary:
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    chunk_hit_tokens: int = 0
+    tail_hit_tokens: int = 0
+    recomputed_tokens: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    keys_stored: int = 0
+    keys_refused: int = 0
+    evicted_keys: int = 0
+    verify_failures: int = 0
+    errors: int = 0
+    round_trips_per_request: float = 0.0
+    simulated_ttft_ms_mean: float = 0.0
+    simulated_ttft_ms_no_offload_mean: float = 0.0
+    wall_seconds: float = 0.0
+
+
+def block_content(key: bytes, rank: int, nbytes: int) -> np.ndarray:
+    """Deterministic bytes of one rank's page of a key: what the engine 'computed'."""
+    seed = int.from_bytes(key[-12:], "big") ^ (rank * 0x9E3779B97F4A7C15)
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+class SimEngine:
+    def __init__(self, client: AsyncDaemonClient, geometry: Geometry, scale: float) -> None:
+        self.client = client
+        self.geometry = geometry
+        self.scale = scale
+        self.summary = Summary()
+        self._ttft: list[float] = []
+        self._ttft_none: list[float] = []
+        self.pool: np.ndarray | None = None
+        self.reg: p.Registered | None = None
+
+    async def start(self) -> None:
+        await self.client.connect()
+        self.reg = await self.client.register(self.geometry)
+        fd = os.open(self.reg.pool_path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.pool = np.frombuffer(self._mm, dtype=np.uint8)
+
+    def close(self) -> None:
+        self.pool = None
+        self._mm.close()
+
+    def _page(self, slot: int, rank: int, nbytes: int) -> np.ndarray:
+        assert self.pool is not None and self.reg is not None
+        start = slot * self.reg.slot_bytes + rank * self.reg.rank_bytes
+        return self.pool[start:start + nbytes]
+
+    def _group_bytes(self, key: bytes) -> int:
+        return self.geometry.groups[int.from_bytes(key[-4:], "big")].bytes_per_block
+
+    async def run_turn(self, turn: Turn) -> None:
+        g, s = self.geometry, self.summary
+        assert self.client.engine is not None
+        hashes = block_hashes(turn.prompt, g.tokens_per_hash)
+        n = len(turn.prompt)
+        query = p.LookupQuery(req_id=f"{turn.conversation}-{turn.index}", block_hashes=hashes,
+                              num_tokens=n, num_prompt_tokens=n)
+        reply = await self.client.expect(p.Lookup(rid=self.client.rid(), engine=self.client.engine,
+                                                  queries=[query], pin=True), p.LookupReply)
+        ans = reply.answers[0]
+        hit = ans.hit_tokens or 0
+        loaded = 0
+        for key, slot in zip(ans.load_keys, ans.slots, strict=True):
+            nbytes = self._group_bytes(key)
+            for rank in range(g.tp_world_size):
+                got = self._page(slot, rank, nbytes).copy()  # the "host-to-device" copy
+                loaded += nbytes
+                if not np.array_equal(got, block_content(key, rank, nbytes)):
+                    s.verify_failures += 1
+        if ans.load_keys:
+            await self.client.expect(p.CompleteLoad(rid=self.client.rid(),
+                                                    engine=self.client.engine,
+                                                    keys=ans.load_keys), p.Ack)
+        s.requests += 1
+        s.prompt_tokens += n
+        s.hit_tokens += hit
+        s.chunk_hit_tokens += ans.chunk_tokens if hit else 0
+        s.tail_hit_tokens += hit - ans.chunk_tokens if hit else 0
+        s.recomputed_tokens += n - hit
+        s.bytes_loaded += loaded
+        unscaled = loaded / self.scale
+        self._ttft.append((n - hit) / PREFILL_TOKENS_PER_S + unscaled / COPY_BYTES_PER_S)
+        self._ttft_none.append(n / PREFILL_TOKENS_PER_S)
+        await self._store(turn, hashes)
+
+    def _store_items(self, tokens: list[int], hashes: list[bytes],
+                     boundaries: set[int]) -> list[p.StoreItem]:
+        """Every complete chunk of every group, plus a tail at each boundary inside a block."""
+        g = self.geometry
+        items: list[p.StoreItem] = []
+        tph = g.tokens_per_hash
+        for gi, grp in enumerate(g.groups):
+            block = grp.tokens_per_block
+            ends = [b for b in range(block, len(hashes) * tph + 1, block)]
+            ends += sorted(b for b in boundaries if b % block and b <= len(hashes) * tph)
+            for end in ends:
+                key = make_key(hashes[end // tph - 1], gi)
+                start = end - block if end % block == 0 else end // block * block
+                items.append(p.StoreItem(
+                    key=key, end_token=end, tail=end % block != 0,
+                    token_ids=tokens[start:end],
+                    block_hashes=hashes[start // tph:end // tph],
+                    parent_hash=hashes[start // tph - 1] if start else None))
+        return items
+
+    async def _store(self, turn: Turn, prompt_hashes: list[bytes]) -> None:
+        g, s = self.geometry, self.summary
+        assert self.client.engine is not None
+        tokens = turn.prompt + turn.reply
+        hashes = block_hashes(tokens, g.tokens_per_hash)
+        tph = g.tokens_per_hash
+        # Tails where state exists: the prefill's end and the turn's end (both hash-aligned).
+        prompt_end = (len(turn.prompt) - 1) // tph * tph
+        boundaries = {prompt_end, len(hashes) * tph}
+        items = self._store_items(tokens, hashes, {b for b in boundaries if b > 0})
+        grant = await self.client.expect(p.PrepareStore(rid=self.client.rid(),
+                                                        engine=self.client.engine, items=items),
+                                         p.StoreGrant)
+        written = []
+        for item, outcome, slot in zip(items, grant.outcomes, grant.slots, strict=True):
+            if outcome != p.StoreOutcome.GRANTED:
+                s.keys_refused += outcome != p.StoreOutcome.EXISTS
+                continue
+            nbytes = self._group_bytes(item.key)
+            for rank in range(g.tp_world_size):
+                self._page(slot, rank, nbytes)[:] = block_content(item.key, rank, nbytes)
+                s.bytes_stored += nbytes
+            written.append(item.key)
+        s.evicted_keys += len(grant.evicted)
+        if written:
+            ack = await self.client.expect(p.CommitStore(rid=self.client.rid(),
+                                                         engine=self.client.engine,
+                                                         keys=written), p.Ack)
+            s.keys_stored += ack.count
+
+    def finish(self, wall: float) -> Summary:
+        s = self.summary
+        s.round_trips_per_request = self.client.round_trips / max(1, s.requests)
+        s.simulated_ttft_ms_mean = 1000 * float(np.mean(self._ttft)) if self._ttft else 0.0
+        s.simulated_ttft_ms_no_offload_mean = (1000 * float(np.mean(self._ttft_none))
+                                               if self._ttft_none else 0.0)
+        s.wall_seconds = wall
+        return s
+
+
+async def run_demo(args: argparse.Namespace) -> Summary:
+    preset = PRESETS[args.preset]
+    geometry = preset.geometry(args.scale)
+    server = None
+    tmp = None
+    endpoint = args.connect
+    if endpoint is None:
+        from kvoffload.daemon.server import Server
+
+        tmp = tempfile.mkdtemp(prefix="kvo-demo-")
+        config = Config(control=f"ipc://{tmp}/control.sock", http="127.0.0.1:0",
+                        pool_path=f"/dev/shm/kvoffload-demo-{os.getpid()}",
+                        pool_bytes=parse_size(args.pool_bytes))
+        server = Server(config)
+        await server.start()
+        endpoint = server.control_endpoint
+    client = AsyncDaemonClient(endpoint, name="kvoffload demo engine")
+    engine = SimEngine(client, geometry, args.scale)
+    started = time.perf_counter()
+    try:
+        await engine.start()
+        for turn in chat_turns(args.requests, args.seed):
+            try:
+                await engine.run_turn(turn)
+            except (p.ProtocolError, ConnectionError) as exc:
+                engine.summary.errors += 1
+                print(f"error: {exc}")
+        return engine.finish(time.perf_counter() - started)
+    finally:
+        engine.close()
+        await client.close()
+        if server is not None:
+            await server.shutdown()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def render(s: Summary, preset: str, scale: float) -> str:
+    pct = 100 * s.hit_tokens / max(1, s.prompt_tokens)
+    return "\n".join([
+        f"kvoffload demo: {s.requests} chat turns on {preset} (bytes x {scale:g})",
+        f"  prompt tokens      {s.prompt_tokens:>12,}",
+        f"  served from cache  {s.hit_tokens:>12,}  ({pct:.1f} %)",
+        f"    complete chunks  {s.chunk_hit_tokens:>12,}",
+        f"    partial tails    {s.tail_hit_tokens:>12,}",
+        f"  recomputed         {s.recomputed_tokens:>12,}",
+        f"  bytes stored       {s.bytes_stored:>12,}   loaded {s.bytes_loaded:,}",
+        f"  keys stored        {s.keys_stored:>12,}   refused {s.keys_refused:,}"
+        f"   evicted {s.evicted_keys:,}",
+        f"  simulated TTFT     {s.simulated_ttft_ms_mean:>9.1f} ms  (no offload "
+        f"{s.simulated_ttft_ms_no_offload_mean:.1f} ms)",
+        f"  round trips/request {s.round_trips_per_request:>8.2f}",
+        f"  verify failures    {s.verify_failures:>12}   errors {s.errors}",
+        f"  wall time          {s.wall_seconds:>9.1f} s",
+    ])
+
+
+def main(args: argparse.Namespace) -> int:
+    summary = asyncio.run(run_demo(args))
+    if args.json:
+        print(json.dumps(asdict(summary)))
+    else:
+        print(render(summary, args.preset, args.scale))
+    return 0 if summary.verify_failures == 0 and summary.errors == 0 else 1

@@ -1,0 +1,272 @@
+"""Clients for the daemon's control socket.
+
+``DaemonClient`` is the synchronous client the vLLM plugin uses from the scheduler process:
+one DEALER socket, every call bounded by a timeout, so the engine never blocks on the daemon
+for longer than the caller allows. It raises ``DaemonUnavailable`` (never hangs) when the daemon
+is gone and re-registers by itself when a restarted daemon no longer knows its engine.
+
+``AsyncDaemonClient`` is the asyncio client for the demo, the benchmarks and the tests: many
+calls may be in flight at once; replies are matched to calls by ``rid``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvoffload.daemon import protocol as p
+from kvoffload.daemon.types import Geometry, KeyStatus
+
+log = logging.getLogger("kvoffload.connector")
+
+R = TypeVar("R", bound=p._Msg)
+
+
+class DaemonUnavailable(ConnectionError):
+    """The daemon did not answer in time or cannot be reached."""
+
+
+def _expect(reply: p._Msg, kind: type[R]) -> R:
+    if isinstance(reply, p.Error):
+        raise p.ProtocolError(reply.code, reply.message)
+    if not isinstance(reply, kind):
+        raise p.ProtocolError(p.ErrorCode.MALFORMED, f"expected {kind.__name__}, got {reply!r}")
+    return reply
+
+
+def _make_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    # IMMEDIATE: queue nothing for a daemon that is not connected, so a send while it is
+    # down fails at once instead of being delivered minutes later to a restarted daemon.
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.RECONNECT_IVL, 50)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    sock.connect(endpoint)
+    return sock
+
+
+class DaemonClient:
+    """Synchronous, thread-safe client; one registered engine per client."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_ms: int = 1000,
+        name: str = "",
+        lease_ms: int | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_ms = timeout_ms
+        self.name = name or f"client pid {os.getpid()}"
+        self.lease_ms = lease_ms
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._sock: zmq.Socket[Any] | None = None
+        self._rids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._geometry: tuple[Geometry, int] | None = None
+        self.welcome: p.Welcome | None = None
+        self.registered: p.Registered | None = None
+        self.round_trips = 0
+
+    # -- transport ------------------------------------------------------------------
+
+    def _socket(self) -> zmq.Socket[Any]:
+        if self._sock is None:
+            self._sock = _make_socket(self._ctx, self.endpoint)
+        return self._sock
+
+    def _reset_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def call(self, msg: p._Msg, timeout_ms: int | None = None) -> p._Msg:
+        """Send one request and wait for its reply; replies to older calls are dropped."""
+        timeout = self.timeout_ms if timeout_ms is None else timeout_ms
+        with self._lock:
+            sock = self._socket()
+            try:
+                sock.send(p.encoder.encode(msg), zmq.NOBLOCK)
+            except zmq.Again:
+                raise DaemonUnavailable(f"daemon at {self.endpoint} is not connected") from None
+            deadline = time.monotonic() + timeout / 1000
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                    # A late reply would be mistaken for the next call's: start a new socket.
+                    self._reset_socket()
+                    raise DaemonUnavailable(f"no reply from {self.endpoint} in {timeout} ms")
+                reply = p.reply_decoder.decode(sock.recv())
+                if reply.rid == msg.rid:
+                    self.round_trips += 1
+                    return reply
+
+    def _call_engine(self, build: Any, kind: type[R], timeout_ms: int | None = None) -> R:
+        """Call a request that names the engine; re-register once if the daemon forgot it."""
+        if self.registered is None:
+            raise p.ProtocolError(p.ErrorCode.NOT_REGISTERED, "register() first")
+        reply = self.call(build(self.registered.engine), timeout_ms)
+        if isinstance(reply, p.Error) and reply.code == p.ErrorCode.NOT_REGISTERED:
+            # A restarted daemon: hello and register again, then retry once.
+            assert self._geometry is not None
+            self.connect()
+            self.register(*self._geometry)
+            reply = self.call(build(self.registered.engine), timeout_ms)
+        return _expect(reply, kind)
+
+    def rid(self) -> int:
+        return next(self._rids)
+
+    # -- calls ------------------------------------------------------------------------
+
+    def connect(self) -> p.Welcome:
+        msg = p.Hello(rid=self.rid(), version=p.PROTOCOL_VERSION, client=self.name,
+                      lease_ms=self.lease_ms)
+        self.welcome = _expect(self.call(msg), p.Welcome)
+        return self.welcome
+
+    def register(self, geometry: Geometry, rank: int = 0) -> p.Registered:
+        if self.welcome is None:
+            self.connect()
+        reply = self.call(p.Register(rid=self.rid(), geometry=geometry, rank=rank))
+        self.registered = _expect(reply, p.Registered)
+        self._geometry = (geometry, rank)
+        return self.registered
+
+    def lookup(
+        self,
+        queries: list[p.LookupQuery],
+        *,
+        wait_ms: int = 0,
+        pin: bool = False,
+        timeout_ms: int | None = None,
+    ) -> list[p.LookupAnswer]:
+        def build(engine: int) -> p.Lookup:
+            return p.Lookup(rid=self.rid(), engine=engine, queries=queries, wait_ms=wait_ms,
+                            pin=pin)
+
+        if timeout_ms is None and wait_ms:
+            timeout_ms = self.timeout_ms + wait_ms
+        return self._call_engine(build, p.LookupReply, timeout_ms).answers
+
+    def probe(self, keys: Sequence[bytes]) -> list[KeyStatus]:
+        reply = self._call_engine(
+            lambda e: p.Probe(rid=self.rid(), engine=e, keys=list(keys)), p.ProbeReply)
+        return [KeyStatus(s) for s in reply.statuses]
+
+    def prepare_store(self, items: list[p.StoreItem]) -> p.StoreGrant:
+        return self._call_engine(
+            lambda e: p.PrepareStore(rid=self.rid(), engine=e, items=items), p.StoreGrant)
+
+    def commit_store(self, keys: Sequence[bytes], ok: bool = True) -> int:
+        return self._call_engine(
+            lambda e: p.CommitStore(rid=self.rid(), engine=e, keys=list(keys), ok=ok),
+            p.Ack).count
+
+    def pin_load(self, keys: Sequence[bytes]) -> list[int]:
+        return self._call_engine(
+            lambda e: p.PinLoad(rid=self.rid(), engine=e, keys=list(keys)), p.LoadGrant).slots
+
+    def complete_load(self, keys: Sequence[bytes]) -> int:
+        return self._call_engine(
+            lambda e: p.CompleteLoad(rid=self.rid(), engine=e, keys=list(keys)), p.Ack).count
+
+    def touch(self, keys: Sequence[bytes]) -> int:
+        return self._call_engine(
+            lambda e: p.Touch(rid=self.rid(), engine=e, keys=list(keys)), p.Ack).count
+
+    def reset(self) -> int:
+        return self._call_engine(lambda e: p.Reset(rid=self.rid(), engine=e), p.Ack).count
+
+    def heartbeat(self) -> None:
+        _expect(self.call(p.Heartbeat(rid=self.rid())), p.Ack)
+
+    def stats(self) -> dict[str, Any]:
+        return _expect(self.call(p.Stats(rid=self.rid())), p.StatsReply).stats
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset_socket()
+
+
+class AsyncDaemonClient:
+    """asyncio client: concurrent calls on one DEALER, replies matched by rid."""
+
+    def __init__(self, endpoint: str, *, timeout_ms: int = 5000, name: str = "") -> None:
+        self.endpoint = endpoint
+        self.timeout_ms = timeout_ms
+        self.name = name or f"async client pid {os.getpid()}"
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = _make_socket(self._ctx, endpoint)  # type: ignore[arg-type]
+        self._rids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[p._Msg]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self.engine: int | None = None
+        self.round_trips = 0
+
+    def rid(self) -> int:
+        return next(self._rids)
+
+    async def _read(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            try:
+                reply = p.reply_decoder.decode(frame)
+            except msgspec.DecodeError:
+                log.warning("undecodable reply dropped")
+                continue
+            fut = self._waiting.pop(reply.rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    async def call(self, msg: p._Msg, timeout_ms: int | None = None) -> p._Msg:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        fut: asyncio.Future[p._Msg] = asyncio.get_running_loop().create_future()
+        self._waiting[msg.rid] = fut
+        try:
+            await self._sock.send(p.encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self._waiting.pop(msg.rid, None)
+            raise DaemonUnavailable(f"daemon at {self.endpoint} is not connected") from None
+        timeout = (self.timeout_ms if timeout_ms is None else timeout_ms) / 1000
+        try:
+            reply = await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise DaemonUnavailable(f"no reply from {self.endpoint} in {timeout}s") from None
+        finally:
+            self._waiting.pop(msg.rid, None)
+        self.round_trips += 1
+        return reply
+
+    async def expect(self, msg: p._Msg, kind: type[R], timeout_ms: int | None = None) -> R:
+        return _expect(await self.call(msg, timeout_ms), kind)
+
+    async def connect(self) -> p.Welcome:
+        hello = p.Hello(rid=self.rid(), version=p.PROTOCOL_VERSION, client=self.name)
+        return await self.expect(hello, p.Welcome)
+
+    async def register(self, geometry: Geometry, rank: int = 0) -> p.Registered:
+        reg = await self.expect(p.Register(rid=self.rid(), geometry=geometry, rank=rank),
+                                p.Registered)
+        self.engine = reg.engine
+        return reg
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        for fut in self._waiting.values():
+            fut.cancel()
+        self._sock.close(linger=0)

@@ -1,0 +1,156 @@
+"""One typed settings object: a TOML file, then KVOFFLOAD_* environment variables, then flags.
+
+Each layer overrides the one before. Every value is validated once, here, into ``Config``;
+a bad value fails with ``ConfigError`` naming the key, where it came from and why.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+ENV_PREFIX = "KVOFFLOAD_"
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20,
+          "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+class ConfigError(ValueError):
+    """A setting is missing, unknown or invalid; the message names it and its source."""
+
+
+class LogFormat(enum.StrEnum):
+    TEXT = "text"
+    JSON = "json"
+
+
+def parse_size(value: str | int) -> int:
+    """``64GiB``, ``512M``, ``1.5gib`` or a plain integer -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (examples: 1073741824, 512MiB, 64GiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def default_runtime_dir() -> Path:
+    """systemd's RuntimeDirectory, else XDG_RUNTIME_DIR, else a per-user /tmp folder."""
+    for var in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        if os.environ.get(var):
+            base = Path(os.environ[var].split(":")[0])
+            return base if var == "RUNTIME_DIRECTORY" else base / "kvoffload"
+    return Path(f"/tmp/kvoffload-{os.getuid()}")
+
+
+class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    control: str = ""  # "" -> ipc://<runtime dir>/control.sock
+    events: str | None = None
+    events_replay: str | None = None
+    lookup_events: str | None = None
+    engine_events: list[str] = []
+    http: str = "127.0.0.1:9400"
+    pool_path: str = "/dev/shm/kvoffload-pool"
+    pool_bytes: int = 1 << 30
+    slot_bytes: int = 0  # 0: taken from the first engine that registers
+    prefault: bool = True
+    state_dir: str | None = None
+    log_format: LogFormat = LogFormat.TEXT
+    log_level: str = "info"
+    policy: str = "lru"
+    lease_ms: int = 10_000
+    max_message_bytes: int = 64 << 20
+    max_keys_per_request: int = 1 << 16
+    max_clients: int = 1024
+
+    def __post_init__(self) -> None:
+        if not self.control:
+            self.control = f"ipc://{default_runtime_dir() / 'control.sock'}"
+        checks = [
+            ("pool_bytes", self.pool_bytes > 0, "must be positive"),
+            ("slot_bytes", self.slot_bytes >= 0, "must be >= 0"),
+            ("slot_bytes", self.slot_bytes <= self.pool_bytes, "must be <= pool_bytes"),
+            ("lease_ms", self.lease_ms >= 100, "must be at least 100 ms"),
+            ("max_message_bytes", self.max_message_bytes >= 1024, "must be >= 1024"),
+            ("max_keys_per_request", self.max_keys_per_request > 0, "must be positive"),
+            ("max_clients", self.max_clients > 0, "must be positive"),
+            ("http", ":" in self.http, "must be HOST:PORT"),
+            ("control", "://" in self.control, "must be a ZMQ endpoint like ipc:///run/x.sock"),
+            ("log_level", self.log_level.lower() in
+             ("debug", "info", "warning", "error"), "must be debug, info, warning or error"),
+        ]
+        for key, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{key} {why} (got {getattr(self, key)!r})")
+
+    @property
+    def http_host_port(self) -> tuple[str, int]:
+        host, _, port = self.http.rpartition(":")
+        return host.strip("[]") or "127.0.0.1", int(port)
+
+
+_SIZE_KEYS = {"pool_bytes", "slot_bytes", "max_message_bytes"}
+_FIELDS = {f.name: f for f in msgspec.structs.fields(Config)}
+
+
+def _coerce(key: str, raw: Any, source: str) -> Any:
+    if key not in _FIELDS:
+        raise ConfigError(f"{source}: unknown setting {key!r} (known: {', '.join(sorted(_FIELDS))})")
+    try:
+        if key in _SIZE_KEYS:
+            return parse_size(raw)
+        if isinstance(raw, str) and source.startswith("environment"):
+            # Environment values are strings: convert them the way the field expects.
+            if key == "engine_events":
+                return [e for e in raw.split(",") if e]
+            if key == "prefault":
+                return raw.lower() in ("1", "true", "yes", "on")
+            if _FIELDS[key].type in (int, "int"):
+                return int(raw)
+        return raw
+    except ValueError as exc:
+        raise ConfigError(f"{source}: setting {key!r}: {exc}") from None
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Config:
+    """Merge file, environment and flags (later wins) and validate into one ``Config``."""
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+        for key, raw in data.get("kvoffload", data).items():
+            merged[key] = _coerce(key, raw, f"config file {path}")
+            sources[key] = f"config file {path}"
+    for name, raw in (os.environ if env is None else env).items():
+        if name.startswith(ENV_PREFIX) and name != f"{ENV_PREFIX}CONFIG":
+            key = name[len(ENV_PREFIX):].lower()
+            merged[key] = _coerce(key, raw, f"environment {name}")
+            sources[key] = f"environment {name}"
+    for key, raw in (flags or {}).items():
+        if raw is not None:
+            merged[key] = _coerce(key, raw, f"flag --{key.replace('_', '-')}")
+            sources[key] = f"flag --{key.replace('_', '-')}"
+    try:
+        return msgspec.convert(merged, Config)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        m = re.search(r"\$\.(\w+)", text)
+        key = m.group(1) if m else None
+        where = sources.get(key, "settings") if key else "settings"
+        raise ConfigError(f"{where}: {text}") from None

@@ -1,0 +1,54 @@
+"""Clients, their leases, and what each one holds (pins, pending stores).
+
+Every message renews its sender's lease. A sweeper (``expired``) runs a few times per lease
+period; a client whose lease ran out loses its pins and its pending stores, so a killed engine
+never strands pinned or half-written slots.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ClientState:
+    identity: bytes
+    name: str = ""
+    lease_ms: int = 10_000
+    last_seen: float = field(default_factory=time.monotonic)
+    pins: Counter[int] = field(default_factory=Counter)  # slot -> pins held by this client
+    pending: set[int] = field(default_factory=set)  # slots this client prepared, not closed
+
+    def expires_at(self) -> float:
+        return self.last_seen + self.lease_ms / 1000
+
+
+class Leases:
+    def __init__(self, default_lease_ms: int, max_clients: int) -> None:
+        self.default_lease_ms = default_lease_ms
+        self.max_clients = max_clients
+        self.clients: dict[bytes, ClientState] = {}
+
+    def seen(self, identity: bytes) -> ClientState | None:
+        """Renew and return the sender's state; None when a new client would exceed the cap."""
+        state = self.clients.get(identity)
+        if state is None:
+            if len(self.clients) >= self.max_clients:
+                return None
+            state = self.clients[identity] = ClientState(identity, lease_ms=self.default_lease_ms)
+        else:
+            state.last_seen = time.monotonic()
+        return state
+
+    def expired(self, now: float | None = None) -> list[ClientState]:
+        """Remove and return every client whose lease ran out."""
+        now = time.monotonic() if now is None else now
+        gone = [c for c in self.clients.values() if c.expires_at() <= now]
+        for c in gone:
+            del self.clients[c.identity]
+        return gone
+
+    def __len__(self) -> int:
+        return len(self.clients)

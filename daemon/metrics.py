@@ -1,0 +1,71 @@
+"""Every Prometheus metric the daemon exports, defined once, here.
+
+Each daemon owns a registry (so several can live in one process, as in the demo and tests);
+``/metrics`` serves exactly that registry. Label sets are bounded: outcomes, reasons and kinds
+come from fixed enums, never from client-supplied strings.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from kvoffload import __version__
+
+_LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
+                    2.5e-2, 0.1, 0.5, 1.0)
+
+
+class DaemonMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.build_info = Info("kvoffload_build", "Build information.", registry=r)
+        self.build_info.info({"version": __version__})
+        self.requests = Counter("kvoffload_requests_total", "Control requests by operation.",
+                                ["op"], registry=r)
+        self.protocol_errors = Counter("kvoffload_protocol_errors_total",
+                                       "Requests answered with a typed error, by code.",
+                                       ["code"], registry=r)
+        self.lookups = Counter("kvoffload_lookups_total",
+                               "Request lookups by outcome (hit, partial, miss, deferred).",
+                               ["outcome"], registry=r)
+        self.lookup_misses = Counter("kvoffload_lookup_misses_total",
+                                     "Lookups that found nothing, by reason.", ["reason"],
+                                     registry=r)
+        self.lookup_tokens = Counter("kvoffload_lookup_tokens_total",
+                                     "Prompt tokens looked up, by kind (requested, hit, "
+                                     "chunk_hit, tail_hit).", ["kind"], registry=r)
+        self.lookup_seconds = Histogram("kvoffload_lookup_duration_seconds",
+                                        "Daemon-side time of one batched lookup message.",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.futures_waiting = Gauge("kvoffload_futures_waiting",
+                                     "Lookups parked on a pending key's future.", registry=r)
+        self.stores = Counter("kvoffload_stores_total",
+                              "Store keys by outcome (granted, exists, no_space, too_big, "
+                              "committed, aborted, expired).", ["outcome"], registry=r)
+        self.stored_bytes = Counter("kvoffload_stored_bytes_total",
+                                    "Bytes of committed stores (all ranks).", registry=r)
+        self.loads = Counter("kvoffload_loads_total",
+                             "Keys pinned for loading, by outcome (pinned, missing, completed).",
+                             ["outcome"], registry=r)
+        self.loaded_bytes = Counter("kvoffload_loaded_bytes_total",
+                                    "Bytes of keys pinned for loading (all ranks).", registry=r)
+        self.evictions = Counter("kvoffload_evictions_total", "Blocks evicted, by policy and "
+                                 "reason.", ["policy", "reason"], registry=r)
+        self.pool_bytes = Gauge("kvoffload_pool_bytes", "Pool bytes by state (total, used, "
+                                "free, pending).", ["state"], registry=r)
+        self.pool_slots = Gauge("kvoffload_pool_slots", "Pool slots by state.", ["state"],
+                                registry=r)
+        self.pinned_slots = Gauge("kvoffload_pinned_slots", "Slots pinned for loading.",
+                                  registry=r)
+        self.blocks = Gauge("kvoffload_blocks", "Ready blocks by group kind and tier.",
+                            ["kind", "tier"], registry=r)
+        self.clients = Gauge("kvoffload_clients_connected", "Clients holding a lease.",
+                             registry=r)
+        self.leases_expired = Counter("kvoffload_leases_expired_total",
+                                      "Client leases that expired; their pins and pending "
+                                      "stores were released.", registry=r)
+        self.pins_released = Counter("kvoffload_expired_pins_total",
+                                     "Pins released because their client's lease expired.",
+                                     registry=r)
+        self.engines = Gauge("kvoffload_namespaces", "Registered engine namespaces.",
+                             registry=r)

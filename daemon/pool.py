@@ -1,0 +1,109 @@
+"""The shared-memory pool: one file, mapped once, split into equal slots.
+
+Clients map the same file and copy into and out of slots themselves; the daemon only hands out
+slot numbers. The file is locked (flock) for the daemon's lifetime so a second daemon on the
+same path fails at once instead of corrupting the first one's blocks. Pages are touched at
+start: first touch of a fresh /dev/shm page costs 10-30x a copy into a touched one, and that
+cost must never land on an engine's copy path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+from pathlib import Path
+
+log = logging.getLogger("kvoffload.daemon")
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+class PoolInUse(RuntimeError):
+    """Another live process holds the pool file."""
+
+
+class Pool:
+    def __init__(self, path: str, pool_bytes: int, *, prefault: bool = True) -> None:
+        self.path = Path(path)
+        self.pool_bytes = pool_bytes
+        self.prefault = prefault
+        self.slot_bytes = 0
+        self.num_slots = 0
+        self._free: list[int] = []
+        self._fd: int | None = None
+        self._mm: mmap.mmap | None = None
+
+    @property
+    def mapped(self) -> bool:
+        return self._mm is not None
+
+    def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise PoolInUse(f"pool file {self.path} is in use by another kvoffload daemon") from None
+        os.ftruncate(fd, self.pool_bytes)
+        self._fd = fd
+        self._mm = mmap.mmap(fd, self.pool_bytes, mmap.MAP_SHARED)
+        if self.prefault:
+            self._touch_all()
+
+    def _touch_all(self) -> None:
+        assert self._mm is not None
+        try:
+            self._mm.madvise(_MADV_POPULATE_WRITE)
+            return
+        except (OSError, ValueError):
+            pass  # kernels before 5.14: touch one byte per page by hand
+        page = mmap.PAGESIZE
+        mv = memoryview(self._mm)
+        for off in range(0, self.pool_bytes, page):
+            mv[off] = mv[off]
+        mv.release()
+
+    def configure(self, slot_bytes: int) -> None:
+        """Fix the slot size (once); every slot is free afterwards."""
+        if slot_bytes <= 0 or slot_bytes > self.pool_bytes:
+            raise ValueError(f"slot size {slot_bytes} does not fit a pool of {self.pool_bytes}")
+        self.slot_bytes = slot_bytes
+        self.num_slots = self.pool_bytes // slot_bytes
+        # Hand out low slots first: pop() from the end of a reversed list.
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    @property
+    def configured(self) -> bool:
+        return self.slot_bytes > 0
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def view(self, slot: int) -> memoryview:
+        """The bytes of one slot (for tests and checksums; clients map the file themselves)."""
+        assert self._mm is not None
+        start = slot * self.slot_bytes
+        return memoryview(self._mm)[start:start + self.slot_bytes]
+
+    def close(self, *, remove: bool) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                log.warning("pool still has exported views; leaving the mapping to the OS")
+            self._mm = None
+        if self._fd is not None:
+            if remove:
+                self.path.unlink(missing_ok=True)
+            os.close(self._fd)  # releases the flock
+            self._fd = None

@@ -1,0 +1,243 @@
+"""The control protocol: one msgspec Struct per message, used for the wire and for validation.
+
+Transport: the daemon binds a ZMQ ROUTER; each client connects one DEALER and sends single-frame
+msgpack messages. Every request carries ``rid`` (chosen by the client, echoed in the reply) and
+gets exactly one reply: the matching ``...Reply`` struct or an ``Error``. Messages are a tagged
+union on the ``op`` field so a decoder can validate any frame in one pass.
+
+Keys are vLLM ``OffloadKey`` bytes (block hash + 4-byte big-endian group index), see
+``kvoffload.daemon.types``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from kvoffload.daemon.types import Geometry
+
+PROTOCOL_VERSION = 1
+
+
+class ErrorCode(enum.StrEnum):
+    MALFORMED = "malformed"  # not msgpack, unknown op, wrong field types
+    UNSUPPORTED_VERSION = "unsupported_version"
+    NOT_REGISTERED = "not_registered"  # engine handle unknown to this daemon
+    GEOMETRY_MISMATCH = "geometry_mismatch"  # namespace registered with another geometry
+    BAD_REQUEST = "bad_request"  # well-formed but out of range / inconsistent
+    TOO_LARGE = "too_large"  # message, batch or key count over a configured limit
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class StoreOutcome(enum.StrEnum):
+    GRANTED = "granted"  # a slot was reserved: write it, then commit
+    EXISTS = "exists"  # already stored (or being stored): nothing to write
+    NO_SPACE = "no_space"  # every slot is pinned or pending: refused, nothing blocks
+    TOO_BIG = "too_big"  # the engine's block does not fit one pool slot
+
+
+class _Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=False, kw_only=True):
+    rid: int
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class Hello(_Msg, tag="hello"):
+    version: int
+    client: str = ""  # free text for logs: "vllm-scheduler pid 123"
+    lease_ms: int | None = None  # ask for a lease length; the daemon may clamp it
+
+
+class Register(_Msg, tag="register"):
+    geometry: Geometry
+    rank: int = 0
+
+
+class LookupQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """One request's lookup: the daemon returns its longest usable hit."""
+
+    req_id: str
+    block_hashes: list[bytes]
+    num_tokens: int
+    num_prompt_tokens: int
+    local_tokens: int = 0
+
+
+class Lookup(_Msg, tag="lookup"):
+    engine: int
+    queries: list[LookupQuery]
+    wait_ms: int = 0  # >0: park deferred answers on the pending keys' futures up to this long
+    pin: bool = False  # pin every key of a hit until complete_load/release or lease expiry
+
+
+class Probe(_Msg, tag="probe"):
+    """Per-key status for callers that scan key by key (vLLM's manager.lookup)."""
+
+    engine: int
+    keys: list[bytes]
+
+
+class StoreItem(msgspec.Struct, frozen=True, kw_only=True):
+    """One key to store, with what routers need to describe it (events)."""
+
+    key: bytes
+    end_token: int  # absolute token position the key's state ends at
+    tail: bool = False  # a partial tail (boundary inside a block) rather than a complete chunk
+    token_ids: list[int] | None = None  # tokens the key covers (for self-describing events)
+    block_hashes: list[bytes] | None = None  # fine hashes the key covers
+    parent_hash: bytes | None = None
+    lora_name: str | None = None
+
+
+class PrepareStore(_Msg, tag="prepare_store"):
+    engine: int
+    items: list[StoreItem]
+
+
+class CommitStore(_Msg, tag="commit_store"):
+    """Close a prepared store: ``ok`` makes the keys readable, else their slots are freed."""
+
+    engine: int
+    keys: list[bytes]
+    ok: bool = True
+
+
+class PinLoad(_Msg, tag="pin_load"):
+    engine: int
+    keys: list[bytes]
+
+
+class CompleteLoad(_Msg, tag="complete_load"):
+    """Release pins taken by a lookup(pin=True) or pin_load once the bytes are copied."""
+
+    engine: int
+    keys: list[bytes]
+
+
+class Touch(_Msg, tag="touch"):
+    engine: int
+    keys: list[bytes]
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    pass
+
+
+class Stats(_Msg, tag="stats"):
+    pass
+
+
+class Reset(_Msg, tag="reset"):
+    """Drop every ready, unpinned block of one engine's namespace."""
+
+    engine: int
+
+
+Request = (
+    Hello
+    | Register
+    | Lookup
+    | Probe
+    | PrepareStore
+    | CommitStore
+    | PinLoad
+    | CompleteLoad
+    | Touch
+    | Heartbeat
+    | Stats
+    | Reset
+)
+
+# ------------------------------------------------------------------------------- replies
+
+
+class Welcome(_Msg, tag="welcome"):
+    version: int
+    daemon_id: str
+    lease_ms: int
+    pool_path: str
+    pool_bytes: int
+    max_keys_per_request: int
+
+
+class Registered(_Msg, tag="registered"):
+    engine: int
+    slot_bytes: int
+    rank_bytes: int
+    num_slots: int
+    pool_path: str
+
+
+class LookupAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    req_id: str
+    hit_tokens: int | None  # None: deferred (a key is pending / being fetched)
+    chunk_tokens: int = 0
+    tail_boundary: int | None = None
+    load_keys: list[bytes] = []
+    slots: list[int] = []  # slot of each load key when pinned, else empty
+    # Every key the lookup probed that answered HIT / HIT_PENDING or RETRY. A caller that
+    # must answer key by key (vLLM's manager.lookup) answers MISS for every other key.
+    hit_keys: list[bytes] = []
+    pending_keys: list[bytes] = []
+    miss_reason: str | None = None
+
+
+class LookupReply(_Msg, tag="lookup_reply"):
+    answers: list[LookupAnswer]
+
+
+class ProbeReply(_Msg, tag="probe_reply"):
+    statuses: list[int]  # KeyStatus values, one per key
+
+
+class StoreGrant(_Msg, tag="store_grant"):
+    outcomes: list[StoreOutcome]
+    slots: list[int]  # -1 where not granted
+    evicted: list[bytes]  # keys evicted to make room (routers learn of them by events too)
+
+
+class LoadGrant(_Msg, tag="load_grant"):
+    slots: list[int]  # -1 where the key is not ready (then nothing is pinned for it)
+
+
+class Ack(_Msg, tag="ack"):
+    count: int = 0
+
+
+class StatsReply(_Msg, tag="stats_reply"):
+    stats: dict[str, Any]
+
+
+class Error(_Msg, tag="error"):
+    code: ErrorCode
+    message: str
+
+
+Reply = (
+    Welcome
+    | Registered
+    | LookupReply
+    | ProbeReply
+    | StoreGrant
+    | LoadGrant
+    | Ack
+    | StatsReply
+    | Error
+)
+
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+encoder = msgspec.msgpack.Encoder()
+
+
+class ProtocolError(Exception):
+    """A typed error answer from the daemon, raised on the client side."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message

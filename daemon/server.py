@@ -1,0 +1,260 @@
+"""The daemon's lifecycle: start -> ready -> serve -> drain -> stop.
+
+``Server`` owns the edges (the control ROUTER socket, the HTTP server, the pool mapping, the
+lease sweeper); ``Service`` owns the state. ``run`` wires signals: SIGTERM or SIGINT stops
+accepting new work, answers what is in flight, flushes and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvoffload.daemon import protocol as p
+from kvoffload.daemon.config import Config
+from kvoffload.daemon.http import HttpServer
+from kvoffload.daemon.index import BlockIndex
+from kvoffload.daemon.metrics import DaemonMetrics
+from kvoffload.daemon.policies import make_policy
+from kvoffload.daemon.pool import Pool
+from kvoffload.daemon.service import RequestError, Service
+
+log = logging.getLogger("kvoffload.daemon")
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start (endpoint or pool in use, bad path); the message says why."""
+
+
+class _RidOnly(msgspec.Struct):
+    rid: int = 0
+
+
+_rid_decoder = msgspec.msgpack.Decoder(_RidOnly)
+
+
+def _salvage_rid(payload: bytes) -> int:
+    """The rid of an otherwise invalid request, so the client can match the error to it."""
+    try:
+        return _rid_decoder.decode(payload).rid
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0
+
+
+class Server:
+    def __init__(self, config: Config, ready_file: str | None = None) -> None:
+        self.config = config
+        self.ready_file = ready_file
+        self.metrics = DaemonMetrics()
+        self.pool = Pool(config.pool_path, config.pool_bytes, prefault=config.prefault)
+        self.index = BlockIndex(self.pool, make_policy(config.policy, capacity=1))
+        self.service = Service(config, self.index, self.metrics)
+        self.http = HttpServer(*config.http_host_port, self.metrics.registry, self.readiness)
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._lock_fd: int | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()  # replies still being worked out
+        self._loops: list[asyncio.Task[Any]] = []  # the receive loop and the lease sweeper
+        self._stopping = asyncio.Event()
+        self.accepting = False
+        self.control_endpoint = config.control
+
+    # -- start ------------------------------------------------------------------------
+
+    def readiness(self) -> dict[str, bool]:
+        return {"pool_mapped": self.pool.mapped, "control_bound": self._sock is not None,
+                "accepting": self.accepting}
+
+    def _lock_ipc(self) -> None:
+        """ZMQ silently takes over an ipc path in use; a lock file makes a 2nd start fail."""
+        if not self.config.control.startswith("ipc://"):
+            return
+        path = Path(self.config.control[len("ipc://"):])
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StartupError(f"control endpoint {self.config.control} is in use by another "
+                               "kvoffload daemon") from None
+        self._lock_fd = fd
+
+    def _bind(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Hard cap well above the typed-error limit: a peer sending more is disconnected.
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_message_bytes)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        old = os.umask(0o077)  # ipc sockets are created 0600
+        try:
+            sock.bind(self.config.control)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise StartupError(f"cannot bind control endpoint {self.config.control}: "
+                               f"{exc}") from None
+        finally:
+            os.umask(old)
+        self.control_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock = sock
+
+    async def start(self) -> None:
+        self._lock_ipc()
+        try:
+            self.pool.open()
+        except OSError as exc:
+            raise StartupError(str(exc)) from None
+        if self.config.slot_bytes:
+            self.index.configure(self.config.slot_bytes)
+        self._bind()
+        await self.http.start()
+        loop = asyncio.get_running_loop()
+        self._loops = [loop.create_task(self._serve_control()),
+                       loop.create_task(self._sweep_leases())]
+        self.accepting = True
+        self.metrics.pool_bytes.labels("total").set(self.pool.pool_bytes)
+        log.info("kvoffload daemon ready: control %s, http %s, pool %s (%d bytes, policy %s)",
+                 self.control_endpoint, self.http.url, self.pool.path, self.pool.pool_bytes,
+                 self.config.policy)
+        if self.ready_file:
+            Path(self.ready_file).write_text(json.dumps({
+                "pid": os.getpid(), "control": self.control_endpoint, "http": self.http.url,
+                "pool_path": str(self.pool.path)}))
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- serve ------------------------------------------------------------------------
+
+    async def _reply(self, identity: bytes, reply: p._Msg) -> None:
+        if isinstance(reply, p.Error):
+            self.metrics.protocol_errors.labels(reply.code.value).inc()
+        assert self._sock is not None
+        try:
+            await self._sock.send_multipart([identity, p.encoder.encode(reply)])
+        except zmq.ZMQError as exc:  # peer gone: nothing to answer
+            log.debug("reply to a departed client dropped: %s", exc)
+
+    async def _finish(self, identity: bytes, rid: int, pending: Any) -> None:
+        try:
+            reply = await pending
+        except RequestError as exc:
+            reply = p.Error(rid=rid, code=exc.code, message=exc.message)
+        except Exception:
+            log.exception("internal error while answering request %d", rid)
+            reply = p.Error(rid=rid, code=p.ErrorCode.INTERNAL, message="internal error")
+        await self._reply(identity, reply)
+
+    def answer(self, identity: bytes, payload: bytes) -> p._Msg | Any:
+        """Decode and handle one frame; never raises for anything a client can send."""
+        if len(payload) > self.config.max_message_bytes:
+            return p.Error(rid=_salvage_rid(payload), code=p.ErrorCode.TOO_LARGE,
+                           message=f"message of {len(payload)} bytes; the limit is "
+                                   f"{self.config.max_message_bytes}")
+        try:
+            msg = p.request_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return p.Error(rid=_salvage_rid(payload), code=p.ErrorCode.MALFORMED, message=str(exc))
+        try:
+            return self.service.handle(identity, msg)
+        except RequestError as exc:
+            return p.Error(rid=msg.rid, code=exc.code, message=exc.message)
+        except Exception:
+            log.exception("internal error while handling %s", type(msg).__name__)
+            return p.Error(rid=msg.rid, code=p.ErrorCode.INTERNAL, message="internal error")
+
+    async def _serve_control(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2:
+                self.metrics.protocol_errors.labels(p.ErrorCode.MALFORMED.value).inc()
+                if len(frames) > 2:
+                    await self._reply(frames[0], p.Error(
+                        rid=0, code=p.ErrorCode.MALFORMED,
+                        message="a request is exactly one msgpack frame"))
+                continue
+            identity, payload = frames
+            out = self.answer(identity, payload)
+            if isinstance(out, p._Msg):
+                await self._reply(identity, out)
+            else:
+                self._spawn(self._finish(identity, _salvage_rid(payload), out))
+
+    async def _sweep_leases(self) -> None:
+        period = max(0.05, self.config.lease_ms / 4000)
+        while True:
+            await asyncio.sleep(period)
+            self.service.expire_leases()
+
+    # -- stop -------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopping.wait()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, answer parked lookups, close sockets, unmap and unlock."""
+        self.accepting = False
+        self.service.draining = True
+        self.index.cancel_waiters()  # parked lookups re-run and answer now
+        await asyncio.sleep(0)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+        for task in [*self._tasks, *self._loops]:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._tasks, *self._loops, return_exceptions=True)
+        await self.http.stop()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._ctx.term()
+        # Without a state dir nothing can reuse the pool file: give its memory back.
+        self.pool.close(remove=self.config.state_dir is None)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        log.info("kvoffload daemon stopped")
+
+
+async def serve(config: Config, ready_file: str | None = None) -> None:
+    """Run a daemon until SIGTERM or SIGINT, then shut it down gracefully."""
+    server = Server(config, ready_file)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.request_stop)
+    try:
+        await server.start()
+        await server.wait_stopped()
+        log.info("signal received: draining")
+    finally:
+        await server.shutdown()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run(config: Config, ready_file: str | None = None) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep serving without it
+        asyncio.run(serve(config, ready_file))
+    else:
+        uvloop.run(serve(config, ready_file))
+    return 0

@@ -1,0 +1,423 @@
+"""Request handlers: translate control messages into calls on the index and back.
+
+Handlers are plain methods on plain state; the server owns the sockets. A handler either
+returns its reply (almost all of them) or, for a lookup that may wait on pending keys, a
+coroutine the server runs as a task. Anything a client sends that does not make sense is
+answered with ``RequestError`` (a typed ``Error`` reply) before any state is changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from kvoffload.daemon import lookup as lk
+from kvoffload.daemon import protocol as p
+from kvoffload.daemon.config import Config
+from kvoffload.daemon.index import BlockIndex, Namespace, SlotState
+from kvoffload.daemon.leases import ClientState, Leases
+from kvoffload.daemon.metrics import DaemonMetrics
+from kvoffload.daemon.types import Geometry, GroupKind, KeyStatus, key_group
+
+log = logging.getLogger("kvoffload.daemon")
+
+MAX_KEY_BYTES = 128
+
+
+class RequestError(Exception):
+    def __init__(self, code: p.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError(p.ErrorCode.BAD_REQUEST, message)
+
+
+def validate_geometry(g: Geometry, rank: int) -> None:
+    if not g.namespace or len(g.namespace) > 512:
+        raise _bad("namespace must be 1..512 characters")
+    if not 1 <= len(g.groups) <= 64:
+        raise _bad("an engine has 1..64 KV-cache groups")
+    if g.tokens_per_hash <= 0 or g.blocks_per_chunk <= 0:
+        raise _bad("tokens_per_hash and blocks_per_chunk must be positive")
+    if not 1 <= g.tp_world_size <= 1024 or not 0 <= rank < g.tp_world_size:
+        raise _bad(f"rank {rank} is not in a tensor-parallel world of {g.tp_world_size}")
+    for i, grp in enumerate(g.groups):
+        if grp.tokens_per_block <= 0 or grp.tokens_per_block % g.tokens_per_hash:
+            raise _bad(f"group {i}: tokens_per_block {grp.tokens_per_block} is not a positive "
+                       f"multiple of tokens_per_hash {g.tokens_per_hash}")
+        if grp.bytes_per_block <= 0:
+            raise _bad(f"group {i}: bytes_per_block must be positive")
+        if grp.kind == GroupKind.SLIDING_WINDOW and not grp.sliding_window_tokens:
+            raise _bad(f"group {i}: a sliding-window group needs sliding_window_tokens")
+
+
+class Service:
+    def __init__(self, config: Config, index: BlockIndex, metrics: DaemonMetrics) -> None:
+        self.config = config
+        self.index = index
+        self.metrics = metrics
+        self.leases = Leases(config.lease_ms, config.max_clients)
+        self.daemon_id = uuid.uuid4().hex
+        self.draining = False
+        self._pending_owner: dict[int, ClientState] = {}
+        self.handlers: dict[type, Callable[[ClientState, Any], Any]] = {
+            p.Hello: self.hello, p.Register: self.register, p.Lookup: self.lookup,
+            p.Probe: self.probe, p.PrepareStore: self.prepare_store,
+            p.CommitStore: self.commit_store, p.PinLoad: self.pin_load,
+            p.CompleteLoad: self.complete_load, p.Touch: self.touch,
+            p.Heartbeat: self.heartbeat, p.Stats: self.stats, p.Reset: self.reset,
+        }
+
+    # -- dispatch ---------------------------------------------------------------------
+
+    def handle(self, identity: bytes, msg: p._Msg) -> p._Msg | Awaitable[p._Msg]:
+        """Answer one decoded request; raises RequestError for a typed error reply."""
+        self.metrics.requests.labels(type(msg).__name__.lower()).inc()
+        if self.draining and not isinstance(msg, (p.CommitStore, p.CompleteLoad, p.Heartbeat)):
+            raise RequestError(p.ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        client = self.leases.seen(identity)
+        if client is None:
+            raise RequestError(p.ErrorCode.TOO_LARGE,
+                               f"client limit reached ({self.config.max_clients})")
+        for field in ("keys", "items", "queries"):
+            n = len(getattr(msg, field, ()))
+            if n > self.config.max_keys_per_request:
+                raise RequestError(p.ErrorCode.TOO_LARGE, f"{n} {field} in one request; the "
+                                   f"limit is {self.config.max_keys_per_request}")
+        return self.handlers[type(msg)](client, msg)
+
+    def _ns(self, engine: int) -> Namespace:
+        if not 0 <= engine < len(self.index.namespaces):
+            raise RequestError(p.ErrorCode.NOT_REGISTERED,
+                               f"engine {engine} is not registered with daemon {self.daemon_id}")
+        return self.index.namespaces[engine]
+
+    def _check_keys(self, ns: Namespace, keys: Sequence[bytes]) -> None:
+        groups = len(ns.geometry.groups)
+        for key in keys:
+            if not 4 < len(key) <= MAX_KEY_BYTES or key_group(key) >= groups:
+                raise _bad(f"key {key[:8].hex()}... is not a block hash plus a group index "
+                           f"below {groups}")
+
+    # -- session ----------------------------------------------------------------------
+
+    def hello(self, client: ClientState, msg: p.Hello) -> p.Welcome:
+        if msg.version != p.PROTOCOL_VERSION:
+            raise RequestError(p.ErrorCode.UNSUPPORTED_VERSION,
+                               f"protocol {msg.version} unsupported; this daemon speaks "
+                               f"{p.PROTOCOL_VERSION}")
+        client.name = msg.client[:200]
+        if msg.lease_ms is not None:
+            client.lease_ms = max(100, min(msg.lease_ms, 10 * self.config.lease_ms))
+        self.metrics.clients.set(len(self.leases))
+        return p.Welcome(rid=msg.rid, version=p.PROTOCOL_VERSION, daemon_id=self.daemon_id,
+                         lease_ms=client.lease_ms, pool_path=str(self.index.pool.path),
+                         pool_bytes=self.index.pool.pool_bytes,
+                         max_keys_per_request=self.config.max_keys_per_request)
+
+    def register(self, client: ClientState, msg: p.Register) -> p.Registered:
+        g = msg.geometry
+        validate_geometry(g, msg.rank)
+        pool = self.index.pool
+        if not pool.configured:
+            self.index.configure(self.config.slot_bytes or g.slot_bytes())
+        if g.slot_bytes() > pool.slot_bytes:
+            raise RequestError(p.ErrorCode.GEOMETRY_MISMATCH,
+                               f"one block of this engine needs {g.slot_bytes()} bytes; pool "
+                               f"slots hold {pool.slot_bytes} (set slot_bytes for the largest "
+                               "engine on this node)")
+        try:
+            ns = self.index.namespace(g)
+        except ValueError as exc:
+            raise RequestError(p.ErrorCode.GEOMETRY_MISMATCH, str(exc)) from None
+        self.metrics.engines.set(len(self.index.namespaces))
+        self._update_pool_gauges()
+        return p.Registered(rid=msg.rid, engine=ns.id, slot_bytes=pool.slot_bytes,
+                            rank_bytes=pool.slot_bytes // g.tp_world_size,
+                            num_slots=pool.num_slots, pool_path=str(pool.path))
+
+    def heartbeat(self, client: ClientState, msg: p.Heartbeat) -> p.Ack:
+        return p.Ack(rid=msg.rid)
+
+    # -- lookups ----------------------------------------------------------------------
+
+    def _validate_query(self, ns: Namespace, q: p.LookupQuery) -> None:
+        tph = ns.geometry.tokens_per_hash
+        if not 0 <= q.local_tokens <= q.num_tokens or q.num_prompt_tokens > q.num_tokens:
+            raise _bad(f"request {q.req_id!r}: need 0 <= local_tokens <= num_tokens and "
+                       "num_prompt_tokens <= num_tokens")
+        if len(q.block_hashes) > q.num_tokens // tph:
+            raise _bad(f"request {q.req_id!r}: {len(q.block_hashes)} hashes for "
+                       f"{q.num_tokens} tokens at {tph} tokens per hash")
+        if any(not 0 < len(h) <= MAX_KEY_BYTES for h in q.block_hashes):
+            raise _bad(f"request {q.req_id!r}: a block hash is empty or too long")
+
+    def _lookup_one(self, client: ClientState, ns: Namespace, q: p.LookupQuery,
+                    pin: bool) -> tuple[p.LookupAnswer, list[bytes]]:
+        hits: list[bytes] = []
+        pending: list[bytes] = []
+        status = self.index.status
+
+        def probe(key: bytes) -> KeyStatus:
+            s = status(ns, key)
+            if s is KeyStatus.HIT:
+                hits.append(key)
+            elif s is not KeyStatus.MISS:
+                pending.append(key)
+            return s
+
+        out = lk.lookup(ns.geometry, lk.LookupQuery(q.block_hashes, q.num_tokens,
+                                                    q.num_prompt_tokens, q.local_tokens), probe)
+        slots: list[int] = []
+        reason = None
+        if out.hit_tokens is None:
+            pass
+        elif out.hit_tokens == 0:
+            reason = self._miss_reason(ns, q, hits)
+        else:
+            slots = [self.index.ready_slot(ns, k) or 0 for k in out.load_keys]
+            for slot in slots:
+                self.index.touch(slot)
+                if pin:
+                    self.index.pin(slot)
+                    client.pins[slot] += 1
+            if not pin:
+                slots = []
+        answer = p.LookupAnswer(req_id=q.req_id, hit_tokens=out.hit_tokens,
+                                chunk_tokens=out.chunk_tokens, tail_boundary=out.tail_boundary,
+                                load_keys=out.load_keys if out.hit_tokens else [], slots=slots,
+                                hit_keys=hits, pending_keys=pending, miss_reason=reason)
+        return answer, out.deferred_keys
+
+    def _miss_reason(self, ns: Namespace, q: p.LookupQuery, hits: list[bytes]) -> str:
+        smallest = min(g.tokens_per_block for g in ns.geometry.groups)
+        if q.num_prompt_tokens - q.local_tokens <= min(smallest, ns.geometry.tokens_per_hash):
+            return "too_short"
+        return "group_missing" if hits else "not_stored"
+
+    def _count(self, q: p.LookupQuery, a: p.LookupAnswer) -> None:
+        m = self.metrics
+        m.lookup_tokens.labels("requested").inc(q.num_prompt_tokens - q.local_tokens)
+        if a.hit_tokens is None:
+            m.lookups.labels("deferred").inc()
+        elif a.hit_tokens == 0:
+            m.lookups.labels("miss").inc()
+            m.lookup_misses.labels(a.miss_reason or "unknown").inc()
+        else:
+            m.lookups.labels("tail" if a.tail_boundary is not None else "chunk").inc()
+            m.lookup_tokens.labels("hit").inc(a.hit_tokens)
+            m.lookup_tokens.labels("chunk_hit").inc(a.chunk_tokens)
+            m.lookup_tokens.labels("tail_hit").inc(a.hit_tokens - a.chunk_tokens)
+
+    def _lookup_all(self, client: ClientState, msg: p.Lookup, ns: Namespace,
+                    final: bool) -> tuple[list[p.LookupAnswer], list[bytes]]:
+        answers, waits = [], []
+        for q in msg.queries:
+            a, deferred = self._lookup_one(client, ns, q, msg.pin)
+            answers.append(a)
+            waits.extend(deferred)
+            if final or a.hit_tokens is not None:
+                self._count(q, a)
+        return answers, waits
+
+    def lookup(self, client: ClientState, msg: p.Lookup) -> p._Msg | Awaitable[p._Msg]:
+        ns = self._ns(msg.engine)
+        for q in msg.queries:
+            self._validate_query(ns, q)
+        started = time.perf_counter()
+        answers, waits = self._lookup_all(client, msg, ns, final=msg.wait_ms <= 0)
+        self.metrics.lookup_seconds.observe(time.perf_counter() - started)
+        if not waits or msg.wait_ms <= 0:
+            return p.LookupReply(rid=msg.rid, answers=answers)
+        return self._lookup_waiting(client, msg, ns, answers, waits)
+
+    async def _lookup_waiting(self, client: ClientState, msg: p.Lookup, ns: Namespace,
+                              answers: list[p.LookupAnswer], waits: list[bytes]) -> p._Msg:
+        """Park on the pending keys' futures; re-run the deferred queries when one resolves."""
+        deadline = time.monotonic() + msg.wait_ms / 1000
+        while True:
+            futures = [f for f in (self.index.wait(ns, k) for k in waits) if f is not None]
+            left = deadline - time.monotonic()
+            if not futures or left <= 0:
+                break
+            self.metrics.futures_waiting.inc()
+            try:
+                await asyncio.wait(futures, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.metrics.futures_waiting.dec()
+                for f in futures:
+                    f.cancel()
+            redo = p.Lookup(rid=msg.rid, engine=msg.engine, pin=msg.pin,
+                            queries=[q for q, a in zip(msg.queries, answers, strict=True)
+                                     if a.hit_tokens is None])
+            final = time.monotonic() >= deadline
+            new_answers, waits = self._lookup_all(client, redo, ns, final)
+            by_id = {a.req_id: a for a in new_answers}
+            answers = [by_id.get(a.req_id, a) if a.hit_tokens is None else a for a in answers]
+            if not waits:
+                break
+        # Past the deadline a key still being written is a miss for this caller.
+        answers = [p.LookupAnswer(req_id=a.req_id, hit_tokens=0, miss_reason="pending",
+                                  hit_keys=a.hit_keys, pending_keys=a.pending_keys)
+                   if a.hit_tokens is None else a for a in answers]
+        for q, a in zip(msg.queries, answers, strict=True):
+            if a.miss_reason == "pending":
+                self._count(q, a)
+        return p.LookupReply(rid=msg.rid, answers=answers)
+
+    def probe(self, client: ClientState, msg: p.Probe) -> p.ProbeReply:
+        ns = self._ns(msg.engine)
+        self._check_keys(ns, msg.keys)
+        return p.ProbeReply(rid=msg.rid, statuses=[self.index.status(ns, k) for k in msg.keys])
+
+    # -- stores -----------------------------------------------------------------------
+
+    def prepare_store(self, client: ClientState, msg: p.PrepareStore) -> p.StoreGrant:
+        ns = self._ns(msg.engine)
+        self._check_keys(ns, [it.key for it in msg.items])
+        outcomes, slots, evicted = [], [], []
+        for item in msg.items:
+            got = self.index.prepare(ns, item.key, item.end_token, item.tail)
+            evicted.extend(key for victim_ns, key, _ in got.evicted if victim_ns is ns)
+            if got.evicted:
+                self.metrics.evictions.labels(self.index.policy.name, "capacity").inc(
+                    len(got.evicted))
+            if got.slot is not None:
+                outcome = p.StoreOutcome.GRANTED
+                client.pending.add(got.slot)
+                self._pending_owner[got.slot] = client
+            else:
+                outcome = p.StoreOutcome.EXISTS if got.exists else p.StoreOutcome.NO_SPACE
+            outcomes.append(outcome)
+            slots.append(-1 if got.slot is None else got.slot)
+            self.metrics.stores.labels(outcome.value).inc()
+        self._update_pool_gauges()
+        return p.StoreGrant(rid=msg.rid, outcomes=outcomes, slots=slots, evicted=evicted)
+
+    def _close_pending(self, slot: int) -> None:
+        owner = self._pending_owner.pop(slot, None)
+        if owner is not None:
+            owner.pending.discard(slot)
+
+    def commit_store(self, client: ClientState, msg: p.CommitStore) -> p.Ack:
+        ns = self._ns(msg.engine)
+        self._check_keys(ns, msg.keys)
+        done = 0
+        for key in msg.keys:
+            slot = ns.keys.get(key)
+            if slot is None:
+                continue
+            ok = self.index.commit(ns, key) if msg.ok else self.index.abort(ns, key)
+            if ok:
+                done += 1
+                self._close_pending(slot)
+        self.metrics.stores.labels("committed" if msg.ok else "aborted").inc(done)
+        if msg.ok:
+            self.metrics.stored_bytes.inc(done * self.index.pool.slot_bytes)
+        self._update_pool_gauges()
+        return p.Ack(rid=msg.rid, count=done)
+
+    # -- loads ------------------------------------------------------------------------
+
+    def pin_load(self, client: ClientState, msg: p.PinLoad) -> p.LoadGrant:
+        ns = self._ns(msg.engine)
+        self._check_keys(ns, msg.keys)
+        slots = []
+        for key in msg.keys:
+            slot = self.index.ready_slot(ns, key)
+            if slot is None:
+                slots.append(-1)
+                self.metrics.loads.labels("missing").inc()
+                continue
+            self.index.pin(slot)
+            self.index.touch(slot)
+            client.pins[slot] += 1
+            slots.append(slot)
+            self.metrics.loads.labels("pinned").inc()
+            self.metrics.loaded_bytes.inc(self.index.pool.slot_bytes)
+        self._update_pool_gauges()
+        return p.LoadGrant(rid=msg.rid, slots=slots)
+
+    def complete_load(self, client: ClientState, msg: p.CompleteLoad) -> p.Ack:
+        ns = self._ns(msg.engine)
+        self._check_keys(ns, msg.keys)
+        done = 0
+        for key in msg.keys:
+            slot = ns.keys.get(key)
+            if slot is not None and client.pins[slot] > 0:
+                client.pins[slot] -= 1
+                if not client.pins[slot]:
+                    del client.pins[slot]
+                self.index.unpin(slot)
+                done += 1
+        self.metrics.loads.labels("completed").inc(done)
+        self._update_pool_gauges()
+        return p.Ack(rid=msg.rid, count=done)
+
+    def touch(self, client: ClientState, msg: p.Touch) -> p.Ack:
+        ns = self._ns(msg.engine)
+        self._check_keys(ns, msg.keys)
+        slots = [s for s in (self.index.ready_slot(ns, k) for k in msg.keys) if s is not None]
+        for slot in slots:
+            self.index.touch(slot)
+        return p.Ack(rid=msg.rid, count=len(slots))
+
+    def reset(self, client: ClientState, msg: p.Reset) -> p.Ack:
+        count = self.index.reset(self._ns(msg.engine))
+        self.metrics.evictions.labels(self.index.policy.name, "reset").inc(count)
+        self._update_pool_gauges()
+        return p.Ack(rid=msg.rid, count=count)
+
+    # -- housekeeping -----------------------------------------------------------------
+
+    def expire_leases(self) -> int:
+        """Release what clients whose lease ran out still hold; returns how many expired."""
+        gone = self.leases.expired()
+        for client in gone:
+            for slot, n in client.pins.items():
+                for _ in range(n):
+                    self.index.unpin(slot)
+                self.metrics.pins_released.inc(n)
+            for slot in list(client.pending):
+                key = self.index.slot_key[slot]
+                if key is not None and self.index.state[slot] == SlotState.PENDING:
+                    self.index.abort(self.index.namespaces[self.index.ns_of[slot]], key)
+                    self.metrics.stores.labels("expired").inc()
+                self._pending_owner.pop(slot, None)
+            log.info("lease of client %r expired: released %d pins, %d pending stores",
+                     client.name, sum(client.pins.values()), len(client.pending))
+        if gone:
+            self.metrics.leases_expired.inc(len(gone))
+            self.metrics.clients.set(len(self.leases))
+            self._update_pool_gauges()
+        return len(gone)
+
+    def _update_pool_gauges(self) -> None:
+        idx, pool, m = self.index, self.index.pool, self.metrics
+        ready, pending = idx.count(SlotState.READY), idx.count(SlotState.PENDING)
+        m.pool_slots.labels("total").set(pool.num_slots)
+        m.pool_slots.labels("ready").set(ready)
+        m.pool_slots.labels("pending").set(pending)
+        m.pool_slots.labels("free").set(pool.free_slots)
+        m.pool_bytes.labels("total").set(pool.pool_bytes)
+        m.pool_bytes.labels("used").set((ready + pending) * pool.slot_bytes)
+        m.pool_bytes.labels("pending").set(pending * pool.slot_bytes)
+        m.pool_bytes.labels("free").set(pool.pool_bytes - (ready + pending) * pool.slot_bytes)
+        m.pinned_slots.set(idx.n_pinned)
+
+    def stats(self, client: ClientState, msg: p.Stats) -> p.StatsReply:
+        idx, pool = self.index, self.index.pool
+        return p.StatsReply(rid=msg.rid, stats={
+            "daemon_id": self.daemon_id, "clients": len(self.leases),
+            "namespaces": len(idx.namespaces), "num_slots": pool.num_slots,
+            "slot_bytes": pool.slot_bytes, "free_slots": pool.free_slots,
+            "ready": idx.count(SlotState.READY), "pending": idx.count(SlotState.PENDING),
+            "pinned": idx.n_pinned, "policy": idx.policy.name,
+        })

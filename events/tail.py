@@ -1,0 +1,159 @@
+"""`kvoffload events tail`: print a KV-event stream (vLLM's or ours), one line per event.
+
+`--json` prints exactly one JSON object per event: `seq`, `ts`, `dp_rank`, `type`, then the
+event's fields by their vLLM names (hashes as JSON ints when ints on the wire, lowercase hex
+strings when bytes). Gap and reset notices go to stderr so stdout stays machine-readable.
+
+The main CLI wires this in with `add_events_parser(subparsers)` and calls `args.handler(args)`;
+`python -m kvoffload.events.tail [events tail] --endpoint ...` works on its own too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from typing import Any, TextIO
+
+import msgspec
+
+from .schema import BlockRemoved, BlockStored, EventBatch, KVEvent, to_json_dict
+from .subscriber import EventSubscriber, Gap, Received, Reset
+
+__all__ = ["add_events_parser", "format_event", "main", "run_tail", "tail"]
+
+_json = msgspec.json.Encoder()
+
+
+def _short_hash(h: int | bytes | None) -> str:
+    if isinstance(h, bytes):
+        return h.hex()[-16:]  # the low 8 bytes are vLLM's int form: enough to eyeball
+    return str(h)
+
+
+def format_event(seq: int, batch: EventBatch, event: KVEvent) -> str:
+    """One human-readable line; defaulted fields appear only when set."""
+    head = f"seq={seq} ts={batch.ts:.6f} dp={batch.data_parallel_rank} {type(event).__name__}"
+    parts = [head]
+    if isinstance(event, BlockStored | BlockRemoved):
+        hashes = ",".join(_short_hash(h) for h in event.block_hashes)
+        parts.append(f"hashes=[{hashes}]")
+    if isinstance(event, BlockStored):
+        parts.append(f"parent={_short_hash(event.parent_block_hash)}")
+        parts.append(f"tokens={len(event.token_ids)} block_size={event.block_size}")
+    for name in event.__struct_fields__:
+        if name in ("block_hashes", "parent_block_hash", "token_ids", "block_size"):
+            continue
+        value = getattr(event, name)
+        if value is not None:
+            parts.append(f"{name}={value}")
+    return " ".join(parts)
+
+
+def _json_line(seq: int, batch: EventBatch, event: KVEvent) -> bytes:
+    record: dict[str, Any] = {"seq": seq, "ts": batch.ts, "dp_rank": batch.data_parallel_rank}
+    record.update(to_json_dict(event))  # "type" first, then the fields in vLLM's order
+    return _json.encode(record)
+
+
+async def tail(
+    endpoint: str,
+    *,
+    replay: str | None = None,
+    from_seq: int | None = None,
+    topic: str = "",
+    as_json: bool = False,
+    count: int | None = None,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> int:
+    """Print events until `count` events were printed (then return 0) or forever."""
+    printed = 0
+    if count is not None and count <= 0:
+        return 0
+    sub = EventSubscriber(endpoint, replay, topic=topic, from_seq=from_seq, stream="tail")
+    async with sub:
+        async for item in sub:
+            if isinstance(item, Gap):
+                print(f"# gap: seqs {item.start}..{item.end - 1} lost", file=err, flush=True)
+                continue
+            if isinstance(item, Reset):
+                print(
+                    f"# reset: publisher restarted (expected seq {item.expected}, got {item.seq})",
+                    file=err,
+                    flush=True,
+                )
+                continue
+            assert isinstance(item, Received)
+            lines = []
+            for event in item.batch.events:
+                if as_json:
+                    lines.append(_json_line(item.seq, item.batch, event).decode())
+                else:
+                    lines.append(format_event(item.seq, item.batch, event))
+                printed += 1
+                if count is not None and printed >= count:
+                    break
+            if lines:
+                out.write("\n".join(lines) + "\n")
+                out.flush()  # consumers read line by line (pipes, `| jq`)
+            if count is not None and printed >= count:
+                return 0
+    return 0
+
+
+def run_tail(args: argparse.Namespace) -> int:
+    """Handler for `events tail` (returns the exit code)."""
+    coro = tail(
+        args.endpoint,
+        replay=args.replay,
+        from_seq=args.from_seq,
+        topic=args.topic,
+        as_json=args.json,
+        count=args.count,
+    )
+    try:
+        return asyncio.run(coro)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): not an error; silence the flush at exit.
+        with contextlib.suppress(OSError):
+            sys.stdout = open("/dev/null", "w")  # noqa: SIM115
+        return 0
+
+
+def add_events_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `events` (with its `tail` subcommand) on the main CLI's subparsers."""
+    events = subparsers.add_parser("events", help="KV-event stream tools")
+    commands = events.add_subparsers(dest="events_command", metavar="COMMAND", required=True)
+    p = commands.add_parser("tail", help="print a KV-event stream, one line per event")
+    p.add_argument("--endpoint", required=True, help="PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--replay", default=None, help="replay (ROUTER) endpoint, e.g. ...:5558")
+    p.add_argument(
+        "--from-seq",
+        type=int,
+        default=None,
+        help="start at this seq (fetched by replay when --replay is given)",
+    )
+    p.add_argument("--topic", default="", help="topic prefix to subscribe to (default all)")
+    p.add_argument("--json", action="store_true", help="one JSON object per event per line")
+    p.add_argument("--count", type=int, default=None, help="exit 0 after N events")
+    p.set_defaults(handler=run_tail)
+    return events
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry: accepts `events tail ...` or just the tail options."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] != ["events"]:
+        args_in = ["events", "tail", *args_in]
+    parser = argparse.ArgumentParser(prog="kvoffload")
+    add_events_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(args_in)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

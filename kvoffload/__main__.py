@@ -1,0 +1,3 @@
+from kvoffload.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""The ``kvoffload`` command: parses arguments, then delegates. Nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvoffload import __version__
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    s = sub.add_parser("serve", help="run the offload daemon")
+    s.add_argument("--config", help="TOML settings file (then KVOFFLOAD_* env, then flags)")
+    s.add_argument("--control", help="control endpoint (default ipc://<runtime dir>/control.sock)")
+    s.add_argument("--events", help="PUB endpoint for the daemon's KV events")
+    s.add_argument("--events-replay", help="ROUTER endpoint for KV-event replay")
+    s.add_argument("--lookup-events", help="PUB endpoint for lookup / miss-reason events")
+    s.add_argument("--engine-events", action="append",
+                   help="an engine's KV-event endpoint EP[,REPLAY_EP] (repeatable)")
+    s.add_argument("--http", help="HOST:PORT for /healthz /readyz /metrics (127.0.0.1:9400)")
+    s.add_argument("--pool-path", help="shared-memory pool file (/dev/shm/kvoffload-pool)")
+    s.add_argument("--pool-bytes", help="pool size, e.g. 64GiB")
+    s.add_argument("--slot-bytes", help="bytes per pool slot (default: first engine's block)")
+    s.add_argument("--state-dir", help="directory for state that survives restarts")
+    s.add_argument("--policy", choices=["lru", "arc"], help="eviction policy (lru)")
+    s.add_argument("--lease-ms", type=int, help="client lease in milliseconds (10000)")
+    s.add_argument("--log-format", choices=["text", "json"])
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--ready-file", help="write {pid, control, http} as JSON here when ready")
+    s.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from kvoffload.daemon.config import ConfigError, load_config
+    from kvoffload.daemon.logs import setup_logging
+    from kvoffload.daemon.server import StartupError, run
+
+    keys = ["control", "events", "events_replay", "lookup_events", "engine_events", "http",
+            "pool_path", "pool_bytes", "slot_bytes", "state_dir", "policy", "lease_ms",
+            "log_format", "log_level"]
+    try:
+        config = load_config(args.config or os.environ.get("KVOFFLOAD_CONFIG"),
+                             flags={k: getattr(args, k) for k in keys})
+    except ConfigError as exc:
+        print(f"kvoffload: configuration error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_format, config.log_level)
+    try:
+        return run(config, args.ready_file)
+    except StartupError as exc:
+        print(f"kvoffload: cannot start: {exc}", file=sys.stderr)
+        return 1
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    d = sub.add_parser("demo", help="a daemon plus a simulated hybrid-model engine")
+    d.add_argument("--connect", help="use a running daemon's control endpoint")
+    d.add_argument("--preset", default="qwen3.6-27b-tp1")
+    d.add_argument("--scale", type=float, default=1 / 1024,
+                   help="byte scale factor so the run fits this machine (default 1/1024)")
+    d.add_argument("--requests", type=int, default=120, help="requests (turns) to simulate")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--pool-bytes", default="512MiB", help="pool size of the embedded daemon")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.set_defaults(handler=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvoffload.bench.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvoffload", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvoffload {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_demo(sub)
+    from kvoffload.events.tail import add_events_parser
+
+    add_events_parser(sub)
+    try:
+        from kvoffload.bench.cli import add_bench_parser
+    except ImportError:  # the bench package is optional in minimal installs
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
