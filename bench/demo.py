@@ -21,7 +21,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
-
 from kvoffload.bench.workload import PRESETS, Turn, block_hashes, chat_turns
 from kvoffload.connector.client import AsyncDaemonClient
 from kvoffload.daemon import protocol as p

@@ -26,10 +26,9 @@ from typing import Any
 
 import msgspec
 import zmq
-from prometheus_client import CollectorRegistry
-
 from kvoffload.events.publisher import EventPublisher
 from kvoffload.events.schema import BlockStored, EventBatch
+from prometheus_client import CollectorRegistry
 
 __all__ = ["run_events_bench"]
 

@@ -18,12 +18,11 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 import zmq
 import zmq.asyncio
-
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.types import Geometry, KeyStatus
 
@@ -97,11 +96,16 @@ class DaemonClient:
         timeout = self.timeout_ms if timeout_ms is None else timeout_ms
         with self._lock:
             sock = self._socket()
+            deadline = time.monotonic() + timeout / 1000
+            # With IMMEDIATE the socket is writable only once connected: wait for that
+            # within the call's own timeout, never longer.
+            if not sock.poll(timeout, zmq.POLLOUT):
+                self._reset_socket()
+                raise DaemonUnavailable(f"daemon at {self.endpoint} is not connected")
             try:
                 sock.send(p.encoder.encode(msg), zmq.NOBLOCK)
             except zmq.Again:
                 raise DaemonUnavailable(f"daemon at {self.endpoint} is not connected") from None
-            deadline = time.monotonic() + timeout / 1000
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not sock.poll(max(1, int(left * 1000))):
@@ -209,7 +213,7 @@ class AsyncDaemonClient:
         self.timeout_ms = timeout_ms
         self.name = name or f"async client pid {os.getpid()}"
         self._ctx = zmq.asyncio.Context.instance()
-        self._sock = _make_socket(self._ctx, endpoint)  # type: ignore[arg-type]
+        self._sock = cast(zmq.asyncio.Socket, _make_socket(self._ctx, endpoint))  # type: ignore[arg-type]
         self._rids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[p._Msg]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -236,12 +240,14 @@ class AsyncDaemonClient:
             self._reader = asyncio.get_running_loop().create_task(self._read())
         fut: asyncio.Future[p._Msg] = asyncio.get_running_loop().create_future()
         self._waiting[msg.rid] = fut
+        timeout = (self.timeout_ms if timeout_ms is None else timeout_ms) / 1000
         try:
+            if not await self._sock.poll(int(timeout * 1000), zmq.POLLOUT):  # type: ignore[call-arg]
+                raise zmq.Again()
             await self._sock.send(p.encoder.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             self._waiting.pop(msg.rid, None)
             raise DaemonUnavailable(f"daemon at {self.endpoint} is not connected") from None
-        timeout = (self.timeout_ms if timeout_ms is None else timeout_ms) / 1000
         try:
             reply = await asyncio.wait_for(fut, timeout)
         except TimeoutError:

@@ -19,11 +19,13 @@ consecutive slots, so each (run, region) is one 2-D strided view pair. Only exec
   so a strided run is issued as one ``copy_(non_blocking=True)`` per row. Completion and timing
   come from a pair of CUDA events per job.
 * CPU: the same views copied with plain ``Tensor.copy_`` (strided 2-D copies run at memcpy
-  speed) on ONE background thread, in submission order. Why a thread: ``submit_*`` must not
-  block the engine's step, exactly as on CUDA, and torch releases the GIL while copying (and
-  still uses its intra-op threads for large copies). Why one: jobs then finish in submission
-  order like a CUDA stream, and two concurrent copies would only split the same memory
-  bandwidth. ``cpu_async=False`` copies inside ``submit_*`` instead (deterministic tests).
+  speed), synchronously inside ``submit_*``; ``get_finished`` then reports the job. Why not a
+  background thread: without CUDA the engine's compute runs on the same cores through torch's
+  OpenMP pool, and the copy is memory-bound anyway, so there is no idle engine to overlap
+  with; measured here (bench/copy.py, 2 cores), a copier thread's OpenMP team competing with
+  the main thread's halved copy throughput (ratio 0.47 vs 0.79 against a plain copy).
+  ``cpu_async=True`` still runs jobs on one FIFO thread for callers that want ``submit_*`` to
+  return at once (the copy then releases the GIL).
 
 Errors never escape ``get_finished``: they become ``CopyResult(ok=False)``.
 """
@@ -40,7 +42,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-
 from kvoffload.connector.layout import (
     GroupLayout,
     KVLayout,
@@ -127,7 +128,7 @@ class BlockCopier:
         slot_bytes: int,
         device: torch.device | str | None = None,
         *,
-        cpu_async: bool = True,
+        cpu_async: bool = False,
         registry: Any = None,
     ) -> None:
         if tp_world_size <= 0 or not 0 <= rank < tp_world_size:

@@ -95,7 +95,9 @@ class KVLayout:
         device = tensors[0].device
         for i, t in enumerate(tensors):
             if t.dtype != torch.int8 or t.dim() != 2:
-                raise ValueError(f"tensor {i}: expected a 2-D int8 tensor, got {t.dtype} {t.dim()}-D")
+                raise ValueError(
+                    f"tensor {i}: expected a 2-D int8 tensor, got {t.dtype} {t.dim()}-D"
+                )
             if t.shape[1] > 1 and t.stride(1) != 1:
                 raise ValueError(f"tensor {i}: a page row must be contiguous")
             if int(t.shape[0]) != num_blocks:

@@ -13,13 +13,13 @@ buffer. Registration is undone on close; a failed registration leaves the pool p
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
 from typing import Any
 
 import torch
-
 from kvoffload.connector.metrics import ConnectorMetrics, get_metrics
 
 logger = logging.getLogger("kvoffload.connector")
@@ -30,6 +30,22 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _REGISTER_CHUNK_BYTES = 64 * 1024**3
 
 _unpinned_logged = False
+
+
+def _clear_cuda_last_error() -> None:
+    """Reset the CUDA runtime's last-error slot after a failed registration.
+
+    A failed cudaHostRegister leaves its error as the runtime's "last error"; torch checks that
+    slot after its next kernel launch and would blame an unrelated op. torch exposes no
+    cudaGetLastError, so call it in the libcudart this process already loaded (best effort).
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for lib in paths:
+            ctypes.CDLL(lib).cudaGetLastError()
+    except (OSError, AttributeError):
+        logger.debug("could not clear the CUDA last error", exc_info=True)
 
 
 def _log_unpinned_once(reason: str) -> None:
@@ -110,6 +126,7 @@ class PoolMapping:
                     offset,
                     self.path,
                 )
+                _clear_cuda_last_error()
                 self._unpin(cudart)
                 _log_unpinned_once(f"cudaHostRegister error {int(err)}")
                 return
@@ -121,6 +138,7 @@ class PoolMapping:
         for address in reversed(self._registered):
             err = cudart.cudaHostUnregister(address)
             if int(err) != 0:
+                _clear_cuda_last_error()
                 logger.warning("cudaHostUnregister failed (error %d)", int(err))
         self._registered.clear()
 

@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvoffload.daemon.policies import EvictionPolicy
+from kvoffload.daemon.policies import EvictionPolicy, make_policy
 from kvoffload.daemon.pool import Pool
 from kvoffload.daemon.types import Geometry, KeyStatus
 
@@ -50,9 +50,10 @@ Listener = Callable[[Namespace, bytes, int], None]
 
 
 class BlockIndex:
-    def __init__(self, pool: Pool, policy: EvictionPolicy) -> None:
+    def __init__(self, pool: Pool, policy: str = "lru") -> None:
         self.pool = pool
-        self.policy = policy
+        self.policy_name = policy
+        self.policy: EvictionPolicy = make_policy(policy)
         self.namespaces: list[Namespace] = []
         self._by_name: dict[str, Namespace] = {}
         self._waiters: dict[int, list[asyncio.Future[bool]]] = {}
@@ -73,6 +74,8 @@ class BlockIndex:
     def configure(self, slot_bytes: int) -> None:
         self.pool.configure(slot_bytes)
         self._size(self.pool.num_slots)
+        # ARC sizes its ghost lists by the number of slots, known only now.
+        self.policy = make_policy(self.policy_name, self.pool.num_slots)
 
     # -- namespaces -------------------------------------------------------------------
 

@@ -168,9 +168,7 @@ class LookupPlan:
         tph = self.tokens_per_hash
         if len(hashes) < query.num_tokens // tph:
             # vLLM hashes every complete unit of the request before asking.
-            raise ValueError(
-                f"{len(hashes)} block hashes cannot cover {query.num_tokens} tokens"
-            )
+            raise ValueError(f"{len(hashes)} block hashes cannot cover {query.num_tokens} tokens")
         s = _Scratch(len(self.groups))
         local = query.local_tokens
         complete = self._complete_chunks(query, probe, s)
@@ -178,7 +176,7 @@ class LookupPlan:
             return LookupOutcome(None, 0, None, [], _unique(s.deferred), s.probes)
         # A deferral overruled by a later miss left keys behind; they caused nothing.
         s.deferred.clear()
-        hit = complete
+        hit: int | None = complete
         boundary: int | None = None
         if self.tail_block_tokens:
             hit, boundary = self._partial_tail(query, complete, probe, s)
@@ -253,9 +251,7 @@ class LookupPlan:
         if g.sliding_window_tokens:
             # The window ends at the real boundary, possibly inside the last chunk.
             padding = -candidate_end % g.tokens_per_chunk
-            window = max(
-                window, _cdiv(g.sliding_window_tokens - 1 + padding, g.tokens_per_chunk)
-            )
+            window = max(window, _cdiv(g.sliding_window_tokens - 1 + padding, g.tokens_per_chunk))
         return window
 
     @staticmethod
@@ -444,8 +440,7 @@ def _tail_ok(geometry: Geometry) -> bool:
         geometry.blocks_per_chunk == 1
         and len({g.tokens_per_block for g in groups}) == 1
         and any(
-            g.kind is GroupKind.MAMBA and g.mamba_align and g.tokens_per_block > tph
-            for g in groups
+            g.kind is GroupKind.MAMBA and g.mamba_align and g.tokens_per_block > tph for g in groups
         )
         # Every group is full attention or a copy-on-write recurrent group, so one
         # boundary names every group's source.

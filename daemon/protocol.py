@@ -15,7 +15,6 @@ import enum
 from typing import Any
 
 import msgspec
-
 from kvoffload.daemon.types import Geometry
 
 PROTOCOL_VERSION = 1

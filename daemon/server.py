@@ -20,13 +20,11 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
-
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.config import Config
 from kvoffload.daemon.http import HttpServer
 from kvoffload.daemon.index import BlockIndex
 from kvoffload.daemon.metrics import DaemonMetrics
-from kvoffload.daemon.policies import make_policy
 from kvoffload.daemon.pool import Pool
 from kvoffload.daemon.service import RequestError, Service
 
@@ -58,7 +56,7 @@ class Server:
         self.ready_file = ready_file
         self.metrics = DaemonMetrics()
         self.pool = Pool(config.pool_path, config.pool_bytes, prefault=config.prefault)
-        self.index = BlockIndex(self.pool, make_policy(config.policy, capacity=1))
+        self.index = BlockIndex(self.pool, config.policy)
         self.service = Service(config, self.index, self.metrics)
         self.http = HttpServer(*config.http_host_port, self.metrics.registry, self.readiness)
         self._ctx = zmq.asyncio.Context()

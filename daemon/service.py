@@ -282,7 +282,9 @@ class Service:
     def prepare_store(self, client: ClientState, msg: p.PrepareStore) -> p.StoreGrant:
         ns = self._ns(msg.engine)
         self._check_keys(ns, [it.key for it in msg.items])
-        outcomes, slots, evicted = [], [], []
+        outcomes: list[p.StoreOutcome] = []
+        slots: list[int] = []
+        evicted: list[bytes] = []
         for item in msg.items:
             got = self.index.prepare(ns, item.key, item.end_token, item.tail)
             evicted.extend(key for victim_ns, key, _ in got.evicted if victim_ns is ns)

@@ -61,9 +61,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     d.add_argument("--preset", default="qwen3.6-27b-tp1")
     d.add_argument("--scale", type=float, default=1 / 1024,
                    help="byte scale factor so the run fits this machine (default 1/1024)")
-    d.add_argument("--requests", type=int, default=120, help="requests (turns) to simulate")
+    d.add_argument("--requests", type=int, default=300, help="requests (turns) to simulate")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--pool-bytes", default="512MiB", help="pool size of the embedded daemon")
+    d.add_argument("--pool-bytes", default="64MiB", help="pool size of the embedded daemon")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(handler=_demo)
 

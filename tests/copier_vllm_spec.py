@@ -25,7 +25,9 @@ CAPTURED: list[CanonicalKVCaches] = []
 class _InertWorker(OffloadingWorker):
     """Accepts nothing: the copier tests drive our BlockCopier directly."""
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
         return False
 
     def submit_load(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
+from kvoffload.daemon.types import KeyStatus
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     LoadStoreSpec,
@@ -22,8 +23,6 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
 )
-
-from kvoffload.daemon.types import KeyStatus
 
 TO_LOOKUP_RESULT: Mapping[KeyStatus, LookupResult] = {
     KeyStatus.MISS: LookupResult.MISS,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvoffload.daemon.config import ConfigError, load_config, parse_size
 
 

@@ -13,8 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
-
 from kvoffload.connector import pool_map
 from kvoffload.connector.copier import (
     BlockCopier,
@@ -25,6 +23,7 @@ from kvoffload.connector.copier import (
     items_for_groups,
     layout_from_canonical,
 )
+from prometheus_client import CollectorRegistry
 
 NUM_BLOCKS = 128
 PAGE = 1024
@@ -84,7 +83,9 @@ def mapping(pool_file: str) -> Iterator[PoolMapping]:
     m.close()
 
 
-def run_job(copier: BlockCopier, job_id: int, store: bool, items: list[tuple[int, int, int]]) -> CopyResult:
+def run_job(
+    copier: BlockCopier, job_id: int, store: bool, items: list[tuple[int, int, int]]
+) -> CopyResult:
     submit = copier.submit_store if store else copier.submit_load
     submit(job_id, items)
     copier.wait([job_id])
@@ -115,7 +116,10 @@ def test_store_load_every_group(mapping: PoolMapping, cpu_async: bool) -> None:
     ]  # fmt: skip
     with BlockCopier(mapping, src, 0, 1, SLOT_BYTES, cpu_async=cpu_async) as w:
         res = run_job(w, 1, True, store_items)
-    assert res.ok and res.nbytes == 5 * src.groups[0].bytes_per_block + 3 * src.groups[1].bytes_per_block
+    assert (
+        res.ok
+        and res.nbytes == 5 * src.groups[0].bytes_per_block + 3 * src.groups[1].bytes_per_block
+    )
     pool = mapping.slot_view(SLOT_BYTES)
     for g, b, s in store_items:
         n = src.groups[g].bytes_per_block
@@ -194,9 +198,7 @@ def test_partial_tail_worked_example(mapping: PoolMapping) -> None:
     dst = zeros_like_layout(src)
     # The load after allocation of [31, 32] (attention) and [null, 41] (Mamba): one job
     # writing [31, 32, 41], group_sizes [2, 1]; keys h3@g0, h6@g0, h6@g1.
-    items = items_for_groups(
-        [31, 32, 41], [2, 1], [slot["h3@g0"], slot["h6@g0"], slot["h6@g1"]]
-    )
+    items = items_for_groups([31, 32, 41], [2, 1], [slot["h3@g0"], slot["h6@g0"], slot["h6@g1"]])
     with BlockCopier(mapping, dst, 0, 1, SLOT_BYTES) as r:
         assert run_job(r, 3, False, items).ok
     assert torch.equal(block_bytes(dst, 0, 31), block_bytes(src, 0, 11))
@@ -229,7 +231,9 @@ def test_bad_job_is_reported_and_corrupts_nothing(mapping: PoolMapping, items: l
         assert all(torch.equal(a, b) for a, b in zip(src.tensors, before_kv, strict=True))
         # The copier keeps working after a rejected job.
         assert run_job(w, 6, True, [(0, 1, 2)]).ok
-    assert torch.equal(mapping.slot_view(SLOT_BYTES)[2, : src.groups[0].bytes_per_block], block_bytes(src, 0, 1))
+    assert torch.equal(
+        mapping.slot_view(SLOT_BYTES)[2, : src.groups[0].bytes_per_block], block_bytes(src, 0, 1)
+    )
 
 
 def test_duplicate_destinations_rejected(mapping: PoolMapping) -> None:
@@ -240,7 +244,9 @@ def test_duplicate_destinations_rejected(mapping: PoolMapping) -> None:
         assert bool((mapping.tensor == SENTINEL).all())
 
 
-def test_failed_copy_reported_not_raised(mapping: PoolMapping, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_copy_reported_not_raised(
+    mapping: PoolMapping, monkeypatch: pytest.MonkeyPatch
+) -> None:
     w = BlockCopier(mapping, make_layout(5), 0, 1, SLOT_BYTES)
 
     def broken_plan(arr: object, store: bool) -> tuple[list, int]:
@@ -384,7 +390,10 @@ def _vllm_canonical(kv_cache_layout: str) -> tuple[object, dict[str, torch.Tenso
         page_size_padded=att.page_size_bytes,
         mamba_cache_mode="align",
     )
-    groups = [KVCacheGroupSpec(["attn.0", "attn.1"], att), KVCacheGroupSpec(["mamba.0", "mamba.1"], mamba)]
+    groups = [
+        KVCacheGroupSpec(["attn.0", "attn.1"], att),
+        KVCacheGroupSpec(["mamba.0", "mamba.1"], mamba),
+    ]
     cfg = get_kv_cache_config_from_groups(vc, groups, 64 * 2 * att.page_size_bytes)
     # What vLLM's allocate_kv_cache does (its module needs GPU-only imports): one backing
     # buffer, one [B, H, N, C] view per layer through vLLM's own create_kv_cache_views.
@@ -393,7 +402,13 @@ def _vllm_canonical(kv_cache_layout: str) -> tuple[object, dict[str, torch.Tenso
     views: dict[str, torch.Tensor] = {}
     for kt in cfg.kv_cache_tensors:
         spec = next(g.kv_cache_spec for g in cfg.kv_cache_groups if kt.layers[0] in g.layer_names)
-        views.update(zip(kt.layers, create_kv_cache_views(buf, spec, cfg.num_blocks, layout_enum, kt), strict=True))
+        views.update(
+            zip(
+                kt.layers,
+                create_kv_cache_views(buf, spec, cfg.num_blocks, layout_enum, kt),
+                strict=True,
+            )
+        )
     conn = OffloadingConnector(vc, KVConnectorRole.WORKER, cfg)
     spec_mod.CAPTURED.clear()
     conn.register_kv_caches(views)
@@ -415,17 +430,22 @@ def test_layout_from_vllm_canonical(pool_file: str, kv_cache_layout: str) -> Non
     assert layout.bytes_per_block() == expected
     assert group_bytes_per_block(canonical) == list(expected)
     # The layout views vLLM's memory; it copies nothing.
-    assert all(t.untyped_storage().data_ptr() == views["attn.0"].untyped_storage().data_ptr() for t in layout.tensors)
+    assert all(
+        t.untyped_storage().data_ptr() == views["attn.0"].untyped_storage().data_ptr()
+        for t in layout.tensors
+    )
 
     # Attention blocks 1, 2 and Mamba blocks 3, 4 round-trip into blocks 10, 11, 12, 13.
     layers = {0: ["attn.0", "attn.1"], 1: ["mamba.0", "mamba.1"]}
     stored = [(0, 1, 0), (0, 2, 1), (1, 3, 2), (1, 4, 3)]
     before = {(g, b): [_layer_bytes(views[n], b) for n in layers[g]] for g, b, _ in stored}
-    with PoolMapping(pool_file, SLOT_BYTES * NUM_SLOTS, registry=CollectorRegistry()) as m:
-        with BlockCopier(m, layout, 0, 1, 4096) as w:
-            assert run_job(w, 1, True, stored).ok
-            loaded = [(g, b + 9, s) for g, b, s in stored]
-            assert run_job(w, 2, False, loaded).ok
+    loaded = [(g, b + 9, s) for g, b, s in stored]
+    with (
+        PoolMapping(pool_file, SLOT_BYTES * NUM_SLOTS, registry=CollectorRegistry()) as m,
+        BlockCopier(m, layout, 0, 1, 4096) as w,
+    ):
+        assert run_job(w, 1, True, stored).ok
+        assert run_job(w, 2, False, loaded).ok
     for (g, b, _), (_, b2, _) in zip(stored, loaded, strict=True):
         # vLLM's own per-layer views see the restored KV (and Mamba state) bytes.
         assert [_layer_bytes(views[n], b2) for n in layers[g]] == before[(g, b)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 import zmq
-
 from kvoffload.connector.client import DaemonClient
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.types import Geometry, GroupKind, GroupSpec, make_key
+
 from tests.daemon_helpers import run_daemon
 from tests.test_daemon_server import EXAMPLE, H, query, store
 

@@ -11,6 +11,7 @@ import urllib.request
 from kvoffload.connector.client import DaemonClient
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.types import make_key
+
 from tests.daemon_helpers import run_daemon
 from tests.test_daemon_server import EXAMPLE, H, query, store
 

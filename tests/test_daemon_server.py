@@ -7,10 +7,10 @@ import hashlib
 import time
 
 import pytest
-
 from kvoffload.connector.client import AsyncDaemonClient, DaemonClient
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.types import Geometry, GroupKind, GroupSpec, KeyStatus, make_key
+
 from tests.daemon_helpers import run_daemon
 
 # The upstream worked example: block 16, 4 tokens per hash, attention + Mamba (align).
@@ -76,7 +76,7 @@ def test_probe_and_pending_status(client: DaemonClient) -> None:
 
 
 async def _wait_case(daemon, commit_ok: bool | None) -> p.LookupAnswer:
-    writer = DaemonClient(daemon.control, timeout_ms=5000)
+    writer = DaemonClient(daemon.control, timeout_ms=5000, lease_ms=4000)
     writer.register(EXAMPLE)
     keys = [make_key(H[3], 0), make_key(H[3], 1)]
     writer.prepare_store([p.StoreItem(key=k, end_token=16) for k in keys])

@@ -71,7 +71,9 @@ def full_attention_spec(block_size: int = 16) -> KVCacheSpec:
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
 
 
 def sliding_window_spec(block_size: int = 16, sliding_window: int = 40) -> KVCacheSpec:

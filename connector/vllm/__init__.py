@@ -1,1 +1,29 @@
-"""kvoffload.connector.vllm."""
+"""kvoffload's vLLM plugin: the only modules that import vLLM.
+
+Load it into vLLM 0.33's ``OffloadingConnector`` with ``kv_connector_extra_config``
+``{"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.connector.vllm",
+"kvoffload_control": "<daemon control endpoint>"}`` (see docs/vllm.md). Names are resolved
+lazily, so importing this package does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "KVOffloadSpec": "kvoffload.connector.vllm.spec",
+    "KVOffloadConnector": "kvoffload.connector.vllm.connector",
+    "DaemonOffloadingManager": "kvoffload.connector.vllm.manager",
+    "DaemonOffloadingWorker": "kvoffload.connector.vllm.worker",
+    "PoolSlotsSpec": "kvoffload.connector.vllm.worker",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
