@@ -6,9 +6,9 @@ Slot layout (see ``layout.py``): rank ``r``'s page starts at ``r * rank_bytes`` 
 (``rank_bytes = slot_bytes // tp_world_size``); the group's block is the concatenation of its
 regions from the page start.
 
-Both devices run the same planning code: items are validated (a bad job copies nothing and is
-reported ``ok=False``), grouped, and coalesced into runs of consecutive block ids that land in
-consecutive slots, so each (run, region) is one 2-D strided view pair. Only execution differs:
+Both devices share the planning: items are validated (a bad job copies nothing and is reported
+``ok=False``) and coalesced into runs of consecutive block ids landing in consecutive slots, so
+each (run, region) is one 2-D strided view pair. Only execution differs:
 
 * CUDA: two dedicated copy streams (stores and loads, so a load never queues behind a large
   store and both PCIe directions are used). Each job first makes its stream wait on an event
@@ -18,14 +18,12 @@ consecutive slots, so each (run, region) is one 2-D strided view pair. Only exec
   torch only copies host<->device without a synchronous bounce when both sides are contiguous,
   so a strided run is issued as one ``copy_(non_blocking=True)`` per row. Completion and timing
   come from a pair of CUDA events per job.
-* CPU: the same views copied with plain ``Tensor.copy_`` (strided 2-D copies run at memcpy
-  speed), synchronously inside ``submit_*``; ``get_finished`` then reports the job. Why not a
-  background thread: without CUDA the engine's compute runs on the same cores through torch's
-  OpenMP pool, and the copy is memory-bound anyway, so there is no idle engine to overlap
-  with; measured here (bench/copy.py, 2 cores), a copier thread's OpenMP team competing with
-  the main thread's halved copy throughput (ratio 0.47 vs 0.79 against a plain copy).
-  ``cpu_async=True`` still runs jobs on one FIFO thread for callers that want ``submit_*`` to
-  return at once (the copy then releases the GIL).
+* CPU: the same views, copied as ~1 MiB memcpy pieces (numpy views of the same memory) by a
+  few threads, not with ``Tensor.copy_``: every ``copy_`` forks and joins torch's OpenMP team,
+  which stalls whenever another process holds a core (see ``_CpuMemcpy``). Jobs run on one
+  background thread in submission order, so ``submit_*`` returns at once as on CUDA and the
+  engine keeps stepping (memcpy releases the GIL); ``get_finished`` reports them when done.
+  ``cpu_async=False`` copies inside ``submit_*`` instead (simplest to reason about in tests).
 
 Errors never escape ``get_finished``: they become ``CopyResult(ok=False)``.
 """
@@ -33,20 +31,22 @@ Errors never escape ``get_finished``: they become ``CopyResult(ok=False)``.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from kvoffload.connector.layout import (
-    GroupLayout,
     KVLayout,
-    Region,
+    block_runs,
     group_bytes_per_block,
+    items_for_groups,
     layout_from_canonical,
 )
 from kvoffload.connector.metrics import get_metrics
@@ -55,10 +55,8 @@ from kvoffload.connector.pool_map import PoolMapping
 __all__ = [
     "BlockCopier",
     "CopyResult",
-    "GroupLayout",
     "KVLayout",
     "PoolMapping",
-    "Region",
     "group_bytes_per_block",
     "items_for_groups",
     "layout_from_canonical",
@@ -91,29 +89,56 @@ class _Job:
     end_event: Any = None
 
 
-def items_for_groups(
-    block_ids: Sequence[int], group_sizes: Sequence[int], slots: Sequence[int]
-) -> list[tuple[int, int, int]]:
-    """Pair vLLM's grouped block ids (``GPULoadStoreSpec.block_ids``/``group_sizes``) with slots.
+_CHUNK_BYTES = 1 << 20  # CPU work unit: big enough to amortize ~1 us of Python per chunk
 
-    ``block_ids`` lists group 0's blocks, then group 1's, ...; with one block per chunk the
-    i-th block belongs to the i-th key, whose pool slot is ``slots[i]``.
+
+def _chunks(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Split one (rows, bytes) view pair into ~1 MiB numpy pieces (zero-copy views)."""
+    d, s = dst.numpy(), src.numpy()
+    if d.ndim == 1:
+        d, s = d[None], s[None]
+    rows, width = d.shape
+    if width >= _CHUNK_BYTES:
+        return [
+            (d[r, c : c + _CHUNK_BYTES], s[r, c : c + _CHUNK_BYTES])
+            for r in range(rows)
+            for c in range(0, width, _CHUNK_BYTES)
+        ]
+    step = max(1, _CHUNK_BYTES // max(width, 1))
+    return [(d[r : r + step], s[r : r + step]) for r in range(0, rows, step)]
+
+
+def _copy_chunks(chunks: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for d, s in chunks:
+        np.copyto(d, s)  # a memcpy that releases the GIL
+
+
+class _CpuMemcpy:
+    """Runs a job's copies as ~1 MiB memcpys spread over a few threads.
+
+    Why not ``Tensor.copy_`` per view: each call forks and joins torch's OpenMP team, which
+    costs little on an idle machine but stalls whenever a core is busy elsewhere (the engine's
+    own compute, the daemon): measured here with load ~4 on 2 cores, per-row ``copy_`` reached
+    0.06-0.6 of a contiguous copy while single-threaded memcpy pieces reached 0.7-1.8 of it.
+    Plain memcpy pieces (numpy views of the same tensors) never wait on a team.
     """
-    if sum(group_sizes) != len(block_ids) or len(slots) != len(block_ids):
-        raise ValueError("block_ids, group_sizes and slots disagree in length")
-    groups = [g for g, n in enumerate(group_sizes) for _ in range(n)]
-    return [(g, int(b), int(s)) for g, b, s in zip(groups, block_ids, slots, strict=True)]
 
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
 
-def _runs(blocks: np.ndarray, slots: np.ndarray) -> list[tuple[int, int, int]]:
-    """Split items into maximal (first_block, first_slot, count) runs: consecutive block ids
-    mapped to consecutive slots, which one strided view pair can cover."""
-    order = np.argsort(blocks, kind="stable")
-    b, s = blocks[order], slots[order]
-    breaks = np.flatnonzero((np.diff(b) != 1) | (np.diff(s) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(b)]))
-    return [(int(b[i]), int(s[i]), int(e - i)) for i, e in zip(starts, ends, strict=True)]
+    def copy(self, ops: list[CopyOp]) -> None:
+        chunks = [c for dst, src in ops for c in _chunks(dst, src)]
+        # Round-robin over equal-sized chunks balances bytes across threads.
+        parts = [chunks[i :: self.threads] for i in range(self.threads)]
+        futures = [self._pool.submit(_copy_chunks, p) for p in parts[1:] if p] if self._pool else []
+        _copy_chunks(parts[0])
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class BlockCopier:
@@ -128,7 +153,8 @@ class BlockCopier:
         slot_bytes: int,
         device: torch.device | str | None = None,
         *,
-        cpu_async: bool = False,
+        cpu_async: bool = True,
+        cpu_threads: int | None = None,
         registry: Any = None,
     ) -> None:
         if tp_world_size <= 0 or not 0 <= rank < tp_world_size:
@@ -174,17 +200,18 @@ class BlockCopier:
         self._streams: dict[str, Any] = {}
         self._queue: queue.Queue[_Job | None] | None = None
         self._thread: threading.Thread | None = None
+        self._memcpy: _CpuMemcpy | None = None
         if self._cuda:
-            self._streams = {
-                STORE: torch.cuda.Stream(device=dev),
-                LOAD: torch.cuda.Stream(device=dev),
-            }
-        elif cpu_async:
-            self._queue = queue.Queue()
-            self._thread = threading.Thread(
-                target=self._cpu_worker, name=f"kvoffload-copier-r{rank}", daemon=True
-            )
-            self._thread.start()
+            self._streams = {STORE: torch.cuda.Stream(dev), LOAD: torch.cuda.Stream(dev)}
+        else:
+            n = cpu_threads or min(torch.get_num_threads(), os.cpu_count() or 1, 8)
+            self._memcpy = _CpuMemcpy(n)
+            if cpu_async:
+                self._queue = queue.Queue()
+                self._thread = threading.Thread(
+                    target=self._cpu_worker, name=f"kvoffload-copier-r{rank}", daemon=True
+                )
+                self._thread.start()
         self._closed = False
 
     # ---- submission ---------------------------------------------------------------------
@@ -255,7 +282,7 @@ class BlockCopier:
         for g in np.unique(arr[:, 0]).tolist():
             sel = arr[arr[:, 0] == g]
             views = self._views[g]
-            for b0, s0, n in _runs(sel[:, 1], sel[:, 2]):
+            for b0, s0, n in block_runs(sel[:, 1], sel[:, 2]):
                 for kv_view, pool_view in views:
                     kv = kv_view[b0 : b0 + n]
                     pool = pool_view[s0 : s0 + n]
@@ -290,8 +317,8 @@ class BlockCopier:
         t0 = time.perf_counter()
         ok = True
         try:
-            for dst, src in job.ops:
-                dst.copy_(src)
+            assert self._memcpy is not None
+            self._memcpy.copy(job.ops)
         except Exception:
             logger.exception("%s job %d failed", job.direction, job.job_id)
             ok = False
@@ -367,6 +394,8 @@ class BlockCopier:
             self._thread.join()
         for stream in self._streams.values():
             stream.synchronize()
+        if self._memcpy is not None:
+            self._memcpy.close()
         self._views = []
 
     def __enter__(self) -> BlockCopier:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -185,3 +186,28 @@ def group_bytes_per_block(kv_caches: Any) -> list[int]:
     ``layout_from_canonical(kv_caches).bytes_per_block()`` without touching the tensors.
     """
     return [sum(n for _, _, n in _merge_ranges(r)) for r in _canonical_ranges(kv_caches)]
+
+
+def items_for_groups(
+    block_ids: Sequence[int], group_sizes: Sequence[int], slots: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """Pair vLLM's grouped block ids (``GPULoadStoreSpec.block_ids``/``group_sizes``) with slots.
+
+    ``block_ids`` lists group 0's blocks, then group 1's, ...; with one block per chunk the
+    i-th block belongs to the i-th key, whose pool slot is ``slots[i]``.
+    """
+    if sum(group_sizes) != len(block_ids) or len(slots) != len(block_ids):
+        raise ValueError("block_ids, group_sizes and slots disagree in length")
+    groups = [g for g, n in enumerate(group_sizes) for _ in range(n)]
+    return [(g, int(b), int(s)) for g, b, s in zip(groups, block_ids, slots, strict=True)]
+
+
+def block_runs(blocks: np.ndarray, slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """Split items into maximal (first_block, first_slot, count) runs: consecutive block ids
+    mapped to consecutive slots, which one strided view pair can cover."""
+    order = np.argsort(blocks, kind="stable")
+    b, s = blocks[order], slots[order]
+    breaks = np.flatnonzero((np.diff(b) != 1) | (np.diff(s) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(b)]))
+    return [(int(b[i]), int(s[i]), int(e - i)) for i, e in zip(starts, ends, strict=True)]

@@ -193,8 +193,8 @@ class LookupPlan:
         local = query.local_tokens
         max_hit = query.num_tokens
         if self.window_order:
-            # The last prompt token must be recomputed, and a windowed group's state
-            # must sit exactly at the hit boundary: leave one token, then align.
+            # With a windowed group vLLM always recomputes the last token, and a Mamba
+            # align group can only resume from a state at one of its chunk edges.
             max_hit -= 1
             if self.align_tokens is not None:
                 max_hit -= max_hit % self.align_tokens
@@ -320,8 +320,8 @@ class LookupPlan:
                 run_pending = None
                 need = window
             if run == need:
-                return rel + need, _join(retried, run_pending)
-        return run, _join(retried, run_pending)
+                return rel + need, (retried or []) + (run_pending or []) or None
+        return run, (retried or []) + (run_pending or []) or None
 
     def _partial_tail(
         self, query: LookupQuery, complete: int, probe: Probe, s: _Scratch
@@ -423,14 +423,6 @@ class LookupPlan:
 def _unique(keys: list[bytes]) -> list[bytes]:
     """Keys in first-seen order without repeats (a key may be probed in two passes)."""
     return list(dict.fromkeys(keys))
-
-
-def _join(a: list[bytes] | None, b: list[bytes] | None) -> list[bytes] | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a + b
 
 
 def _tail_ok(geometry: Geometry) -> bool:

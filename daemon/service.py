@@ -56,6 +56,10 @@ def validate_geometry(g: Geometry, rank: int) -> None:
             raise _bad(f"group {i}: bytes_per_block must be positive")
         if grp.kind == GroupKind.SLIDING_WINDOW and not grp.sliding_window_tokens:
             raise _bad(f"group {i}: a sliding-window group needs sliding_window_tokens")
+    try:
+        lk.plan_for(g)  # the lookup's own consistency rules (e.g. Mamba chunk sizes agree)
+    except ValueError as exc:
+        raise _bad(str(exc)) from None
 
 
 class Service:
@@ -173,8 +177,12 @@ class Service:
                 pending.append(key)
             return s
 
-        out = lk.lookup(ns.geometry, lk.LookupQuery(q.block_hashes, q.num_tokens,
-                                                    q.num_prompt_tokens, q.local_tokens), probe)
+        try:
+            out = lk.lookup(ns.geometry, lk.LookupQuery(q.block_hashes, q.num_tokens,
+                                                        q.num_prompt_tokens, q.local_tokens),
+                            probe)
+        except ValueError as exc:  # hashes that cannot cover the request, and the like
+            raise _bad(f"request {q.req_id!r}: {exc}") from None
         slots: list[int] = []
         reason = None
         if out.hit_tokens is None:

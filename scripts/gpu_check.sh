@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 # that package tree from symlinks so `import kvoffload.connector` works.
 pkg=$(mktemp -d)
 mkdir -p "$pkg/kvoffload"
-cp kvoffload/__init__.py "$pkg/kvoffload/__init__.py"
+for f in kvoffload/*.py; do ln -s "$repo/$f" "$pkg/kvoffload/"; done
 for sub in connector bench daemon events; do
   [ -d "$sub" ] && ln -s "$repo/$sub" "$pkg/kvoffload/$sub"
 done

@@ -55,6 +55,8 @@ class _EngineModelConfig(_StubModelConfig):
     is_diffusion = False
     supports_multimodal_inputs = False
     return_sampling_mask = False
+    skip_tokenizer_init = True
+    runner_type = "generate"
 
 
 class MiniEngine:

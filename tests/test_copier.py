@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -64,16 +65,23 @@ def block_bytes(layout: KVLayout, group: int, block: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-@pytest.fixture
-def pool_file() -> Iterator[str]:
+@contextlib.contextmanager
+def sentinel_file(size: int) -> Iterator[str]:
+    """A pool file as the daemon would leave it, every byte SENTINEL."""
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
     fd, path = tempfile.mkstemp(prefix="kvoffload-test-pool-", dir=folder)
     try:
-        os.write(fd, bytes([SENTINEL]) * (SLOT_BYTES * NUM_SLOTS))
+        os.write(fd, bytes([SENTINEL]) * size)
         os.close(fd)
         yield path
     finally:
         os.unlink(path)
+
+
+@pytest.fixture
+def pool_file() -> Iterator[str]:
+    with sentinel_file(SLOT_BYTES * NUM_SLOTS) as path:
+        yield path
 
 
 @pytest.fixture
@@ -234,6 +242,34 @@ def test_bad_job_is_reported_and_corrupts_nothing(mapping: PoolMapping, items: l
     assert torch.equal(
         mapping.slot_view(SLOT_BYTES)[2, : src.groups[0].bytes_per_block], block_bytes(src, 0, 1)
     )
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_wide_pages_cross_chunk_boundaries(threads: int) -> None:
+    """Pages wider than the 1 MiB CPU work unit (split by columns, uneven last piece) next to
+    narrow ones (grouped by rows), with several copy threads."""
+    wide = (5 << 19) + 123  # 2.5 MiB + 123 bytes
+    gen = torch.Generator().manual_seed(9)
+    big = torch.randint(-128, 128, (8, wide), dtype=torch.int8, generator=gen)
+    small = torch.randint(-128, 128, (8, 64), dtype=torch.int8, generator=gen)
+    layout = KVLayout([big, small], [[(0, 0, wide), (1, 0, 64)], [(1, 8, 32)]])
+    slot_bytes = wide + 64
+    items = [(0, 1, 2), (0, 2, 3), (0, 7, 0), (1, 4, 1)]
+    with (
+        sentinel_file(4 * slot_bytes) as path,
+        PoolMapping(path, 4 * slot_bytes, registry=CollectorRegistry()) as m,
+    ):
+        with BlockCopier(m, layout, 0, 1, slot_bytes, cpu_threads=threads) as w:
+            assert run_job(w, 1, True, items).ok
+        for g, b, s in items:
+            n = layout.groups[g].bytes_per_block
+            assert torch.equal(m.slot_view(slot_bytes)[s, :n], block_bytes(layout, g, b))
+        dst = zeros_like_layout(layout)
+        loads = [(g, 7 - b, s) for g, b, s in items]
+        with BlockCopier(m, dst, 0, 1, slot_bytes, cpu_threads=threads) as r:
+            assert run_job(r, 2, False, loads).ok
+    for (g, b, _), (_, b2, _) in zip(items, loads, strict=True):
+        assert torch.equal(block_bytes(dst, g, b2), block_bytes(layout, g, b))
 
 
 def test_duplicate_destinations_rejected(mapping: PoolMapping) -> None:

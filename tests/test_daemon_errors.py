@@ -97,3 +97,14 @@ def test_geometry_conflict_and_too_many_keys(tmp_path) -> None:
         reply = c.call(p.Probe(rid=5, engine=0, keys=[make_key(H[0], 0)] * 70_000))
         assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.TOO_LARGE
         c.close()
+
+
+def test_hashes_that_cannot_cover_the_request(daemon) -> None:
+    c = DaemonClient(daemon.control, timeout_ms=5000)
+    c.register(EXAMPLE)
+    short = p.LookupQuery(req_id="s", block_hashes=H[:2], num_tokens=30, num_prompt_tokens=30)
+    with pytest.raises(p.ProtocolError) as exc:
+        c.lookup([short])
+    assert exc.value.code == p.ErrorCode.BAD_REQUEST and "'s'" in exc.value.message
+    assert c.lookup([query()])[0].hit_tokens == 0
+    c.close()

@@ -181,3 +181,27 @@ async def test_concurrent_clients_store_and_find_each_others_blocks(daemon) -> N
     assert hits == [16] * 8
     for c in clients:
         await c.close()
+
+
+def test_dead_writer_pending_store_is_released_after_lease(tmp_path) -> None:
+    with run_daemon(tmp_path, "--lease-ms", "300", "--policy", "arc", pool_bytes=1024,
+                    slot_bytes=512) as d:
+        writer = DaemonClient(d.control, timeout_ms=5000, lease_ms=300)
+        writer.register(EXAMPLE)
+        grant = writer.prepare_store([p.StoreItem(key=make_key(H[i], 0), end_token=4)
+                                      for i in range(2)])
+        assert grant.outcomes == [p.StoreOutcome.GRANTED] * 2
+        writer.close()  # dies mid-store: never commits
+        other = DaemonClient(d.control, timeout_ms=5000, lease_ms=5000)
+        other.register(EXAMPLE)
+        assert other.probe([make_key(H[0], 0)]) == [KeyStatus.HIT_PENDING]
+        deadline = time.monotonic() + 10
+        while other.stats()["pending"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert other.probe([make_key(H[0], 0), make_key(H[1], 0)]) == [KeyStatus.MISS] * 2
+        # Both slots are free again: pool usage is back where it was.
+        again = other.prepare_store([p.StoreItem(key=make_key(H[5], g), end_token=24)
+                                     for g in (0, 1)])
+        assert again.outcomes == [p.StoreOutcome.GRANTED] * 2 and again.evicted == []
+        assert other.stats()["policy"] == "arc"
+        other.close()

@@ -450,7 +450,10 @@ def test_matches_vllm_scheduler(setup: Setup) -> None:
     require_vllm()
     import lookup_vllm_harness as harness
 
-    extra = {"spec_name": "DictOffloadingSpec", "spec_module_path": harness.__name__}
+    extra: dict[str, Any] = {
+        "spec_name": "DictOffloadingSpec",
+        "spec_module_path": harness.__name__,
+    }
     if setup.blocks_per_chunk != 1:
         extra["blocks_per_chunk"] = setup.blocks_per_chunk
     kv_cache_config = make_kv_cache_config(_vllm_specs(setup), num_blocks=4096)

@@ -26,7 +26,7 @@ import functools
 import os
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
@@ -147,7 +147,7 @@ def build_vllm_config(
     prefix_match_unit: int | None = 4,
     *,
     enable_prefix_caching: bool = True,
-    mamba_cache_mode: str = "align",
+    mamba_cache_mode: Literal["align", "none"] = "align",
     max_model_len: int = 8192,
 ) -> VllmConfig:
     """A ``VllmConfig`` whose KV transfer config loads our spec into ``OffloadingConnector``."""

@@ -25,15 +25,13 @@ request, and one daemon round trip costs about as much as vLLM's whole in-proces
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from kvoffload.connector.client import DaemonClient, DaemonUnavailable
-from kvoffload.connector.vllm.worker import PoolInfo, PoolSlotsSpec
+from kvoffload.connector.vllm.worker import PoolSlotsSpec
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.types import Geometry
 from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
@@ -48,33 +46,17 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
     ScheduleEndContext,
 )
 
+if TYPE_CHECKING:
+    from kvoffload.connector.vllm.connector import (
+        DaemonLink,
+        RequestInfo,
+        RequestSource,
+        RequestWaiter,
+    )
+
 log = logging.getLogger("kvoffload.connector.vllm")
 
-
-@dataclass
-class RequestInfo:
-    """What the manager needs to know about a request, read from vLLM's scheduler state."""
-
-    block_hashes: list[bytes]
-    num_tokens: int
-    num_prompt_tokens: int
-    local_tokens: int
-    token_ids: Callable[[int, int], list[int]] | None = None
-    lora_name: str | None = None
-
-
-class RequestSource(Protocol):
-    def get(self, req_id: str) -> RequestInfo | None: ...
-
-    def waiting(self) -> Iterable[tuple[str, RequestInfo]]: ...
-
-
-class RequestWaiter(Protocol):
-    """Parks a deferred query on the daemon's futures (``Lookup`` with ``wait_ms``)."""
-
-    def park(self, query: p.LookupQuery) -> Future[Any]: ...
-
-    def close(self) -> None: ...
+_PROBE_STEPS = 4  # fallback probe answers stay valid this many steps
 
 
 @dataclass
@@ -111,118 +93,62 @@ class ManagerSettings:
 class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def __init__(
         self,
-        client: DaemonClient,
+        link: DaemonLink,
         geometry: Geometry,
         settings: ManagerSettings,
         requests: RequestSource | None = None,
         waiter: RequestWaiter | None = None,
         group_ids: list[int] | None = None,
     ) -> None:
-        self.client = client
+        self.link = link
+        self.client = link.client
         self.geometry = geometry
         self.settings = settings
         self.requests = requests
         self.waiter = waiter
-        self.pool: PoolInfo | None = None
+        link.on_lost = self._forget_daemon_state
         # vLLM's group ids (the last 4 bytes of a key) -> tokens per chunk of that group.
         self._chunk_tokens = dict(zip(group_ids or range(len(geometry.groups)),
                                       (geometry.tokens_per_chunk(i)
                                        for i in range(len(geometry.groups))), strict=True))
-        self._offline_until = 0.0
         self._step = 0
         self._answers: dict[str, _Answer] = {}
-        self._probe: dict[bytes, LookupResult] = {}  # fallback: no request info
+        self._probe: dict[bytes, tuple[LookupResult, int]] = {}  # fallback: key -> (st, step)
         self._probe_wanted: set[bytes] = set()
         self._release: list[bytes] = []
         self._commit_ok: list[bytes] = []
         self._commit_fail: list[bytes] = []
         self._granted: set[bytes] = set()  # granted by the daemon, not committed yet
+        self._loading: Counter[bytes] = Counter()  # pinned keys of loads in flight
         self._offered: set[bytes] = set()  # offered to prepare_store, store not finished
         self._store_batch: list[tuple[p.StoreItem, PoolSlotsSpec, int]] = []
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._after_reset: tuple[list[bytes], list[bytes]] | None = None
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("lookup_calls", "lookup_queries", "parked",
-             "stores_offered", "stores_granted", "stores_skipped_offline", "stores_refused",
-             "pin_fallbacks", "pin_failures", "offline_events", "protocol_errors"), 0)
+        self.counters = link.counters
+        self.counters.update(dict.fromkeys(
+            ("lookup_calls", "lookup_queries", "parked", "stores_offered", "stores_granted",
+             "stores_skipped_offline", "stores_refused", "pin_fallbacks", "pin_failures"), 0))
 
-    # -- daemon access ------------------------------------------------------------
+    # -- daemon access (DaemonLink: registration, offline window, restarts) ----------
 
     def connect(self) -> bool:
         """Register now (best effort); otherwise the first lookup or store does."""
-        return self._online()
+        return self.link.online()
 
-    def _online(self) -> bool:
-        """Registered and reachable; (re)registers once the retry interval has passed."""
-        if time.monotonic() < self._offline_until:
-            return False
-        if self.pool is not None:
-            return True
-        # A fresh socket connects asynchronously and refuses sends until it has: retry for
-        # up to one timeout, then stay offline for retry_ms.
-        deadline = time.monotonic() + self.settings.timeout_ms / 1000
-        while True:
-            try:
-                self.client.connect()  # a fresh Welcome: the daemon_id workers key pools on
-                reg = self.client.register(self.geometry)
-                break
-            except p.ProtocolError as exc:
-                self._went_offline(exc)
-                return False
-            except DaemonUnavailable as exc:
-                if time.monotonic() >= deadline:
-                    self._went_offline(exc)
-                    return False
-                time.sleep(0.01)
-        self._adopt(reg)
-        return True
-
-    def _adopt(self, reg: p.Registered) -> None:
-        welcome = self.client.welcome
-        daemon_id = welcome.daemon_id if welcome else ""
-        if self.pool is not None and self.pool.daemon_id != daemon_id:
-            self._forget_daemon_state()
-        pool_bytes = welcome.pool_bytes if welcome else reg.slot_bytes * reg.num_slots
-        self.pool = PoolInfo(daemon_id, reg.pool_path, pool_bytes, reg.slot_bytes, reg.rank_bytes)
-
-    def _went_offline(self, exc: Exception) -> None:
-        if self._offline_until <= time.monotonic():
-            log.warning("kvoffload daemon unavailable (%s); lookups miss for %d ms",
-                        exc, self.settings.retry_ms)
-        self.counters["offline_events"] += 1
-        self._offline_until = time.monotonic() + self.settings.retry_ms / 1000
-        # A restarted daemon knows none of our pins or grants; a slow one drops them at
-        # lease expiry. Either way they are not ours to release any more.
-        self._forget_daemon_state()
-        self.pool = None
+    @property
+    def pool(self) -> Any:
+        return self.link.pool
 
     def _forget_daemon_state(self) -> None:
+        """The daemon restarted or is gone: none of our pins, grants or answers hold."""
         self._release.clear()
         self._commit_ok.clear()
         self._commit_fail.clear()
         self._granted.clear()
+        self._loading.clear()
         self._known.clear()
-        for ans in self._answers.values():
-            ans.pins.clear()
         self._answers.clear()
         self._probe.clear()
-
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run one client call; None when the daemon is gone (then the manager is offline)."""
-        try:
-            result = fn()
-        except DaemonUnavailable as exc:
-            self._went_offline(exc)
-            return None
-        except p.ProtocolError as exc:
-            self.counters["protocol_errors"] += 1
-            log.error("kvoffload daemon refused a call: %s", exc)
-            return None
-        reg = self.client.registered
-        if reg is not None and self.client.welcome is not None and self.pool is not None \
-                and self.client.welcome.daemon_id != self.pool.daemon_id:
-            self._adopt(reg)  # the client re-registered with a restarted daemon
-        return result
 
     def _remember(self, keys: Iterable[bytes]) -> None:
         for key in keys:
@@ -253,7 +179,7 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         ans = self._answers.get(ctx.req_id)
         if self._usable(ans, info):
             return ans
-        if not self._online():
+        if not self.link.online():
             return None
         queries = {ctx.req_id: self._query(ctx.req_id, info)}
         if self.settings.prefetch and self.requests is not None:
@@ -261,7 +187,7 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 if rid not in queries and not self._usable(self._answers.get(rid), other):
                     queries[rid] = self._query(rid, other)
         self._flush_commits()  # our finished stores must be readable before we ask
-        answers = self._call(lambda: self.client.lookup(list(queries.values()), pin=True))
+        answers = self.link.call(lambda: self.client.lookup(list(queries.values()), pin=True))
         if answers is None:
             return None
         self.counters["lookup_calls"] += 1
@@ -292,14 +218,15 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
             return ans.status(key)
         if self.requests is not None and self.requests.get(req_context.req_id) is not None:
             return LookupResult.MISS  # offline
-        # Fallback without request data: answer from last step's probe, ask for the rest.
-        status = self._probe.get(key)
-        if status is None:
-            if time.monotonic() < self._offline_until:
-                return LookupResult.MISS
-            self._probe_wanted.add(key)
-            return LookupResult.RETRY
-        return status
+        # Fallback without request data: answer from recent probes, ask for the rest at the
+        # end of the step (RETRY keeps vLLM scanning, so one step collects many keys).
+        probed = self._probe.get(key)
+        if probed is not None and probed[1] >= self._step - _PROBE_STEPS:
+            return probed[0]
+        if self.link.offline:
+            return LookupResult.MISS
+        self._probe_wanted.add(key)
+        return LookupResult.RETRY
 
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         return  # the daemon's policy sees every lookup and load; no extra round trip
@@ -315,7 +242,7 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if missing:
             # vLLM chose keys the daemon did not pin (a cap the daemon does not know): pin now.
             self.counters["pin_fallbacks"] += 1
-            got = self._call(lambda: self.client.pin_load([keys[i] for i in missing]))
+            got = self.link.call(lambda: self.client.pin_load([keys[i] for i in missing]))
             for i, slot in zip(missing, got or [-1] * len(missing), strict=True):
                 slots[i] = slot
             if any(s < 0 for s in slots):
@@ -325,14 +252,19 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if ans is not None:
             self._release.extend(ans.pins)  # pinned by the lookup, not loaded
             ans.pins.clear()
+        self._loading.update(k for k, s in zip(keys, slots, strict=True) if s >= 0)
         return PoolSlotsSpec(slots, self.pool)
 
     def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
-        self._release.extend(keys)
+        for key in keys:
+            if self._loading[key] > 0:  # pins of an older daemon are not ours to release
+                self._loading[key] -= 1
+                self._release.append(key)
 
     # -- stores ---------------------------------------------------------------------
 
-    def _store_item(self, key: OffloadKey, ctx: ReqContext, info: RequestInfo | None) -> p.StoreItem:
+    def _store_item(self, key: OffloadKey, ctx: ReqContext,
+                    info: RequestInfo | None) -> p.StoreItem:
         end = ctx.get_offload_key_position(key) or 0
         block = self._chunk_tokens.get(int.from_bytes(key[-4:], "big"), 1)
         tail = end % block != 0
@@ -354,7 +286,7 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if not new:
             return PrepareStoreOutput(keys_to_store=[], store_spec=PoolSlotsSpec([], None),
                                       evicted_keys=[])
-        if not self._online():
+        if not self.link.online():
             # Skip (not None): vLLM would re-offer the chunks every step and log each time.
             self.counters["stores_skipped_offline"] += len(new)
             return PrepareStoreOutput(keys_to_store=[], store_spec=PoolSlotsSpec([], None),
@@ -380,7 +312,7 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         batch, self._store_batch = self._store_batch, []
         if not batch:
             return
-        grant = self._call(lambda: self.client.prepare_store([item for item, _, _ in batch]))
+        grant = self.link.call(lambda: self.client.prepare_store([item for item, _, _ in batch]))
         if grant is None:
             self.counters["stores_skipped_offline"] += len(batch)
             return  # slots stay -1: workers copy nothing, complete_store commits nothing
@@ -404,7 +336,7 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 continue
             batch = list(keys)
             keys.clear()
-            if self._call(lambda: self.client.commit_store(batch, ok=ok)) is None:  # noqa: B023
+            if self.link.call(lambda: self.client.commit_store(batch, ok=ok)) is None:  # noqa: B023
                 continue
             if ok:
                 self._remember(batch)
@@ -421,16 +353,16 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def _flush_releases(self) -> None:
         if self._release:
             batch, self._release = self._release, []
-            self._call(lambda: self.client.complete_load(batch))
+            self.link.call(lambda: self.client.complete_load(batch))
 
     def _flush_probes(self) -> None:
-        self._probe.clear()
         wanted, self._probe_wanted = list(self._probe_wanted), set()
-        if not wanted or not self._online():
+        self._probe = {k: v for k, v in self._probe.items() if v[1] >= self._step - _PROBE_STEPS}
+        if not wanted or not self.link.online():
             return
-        statuses = self._call(lambda: self.client.probe(wanted))
+        statuses = self.link.call(lambda: self.client.probe(wanted))
         for key, st in zip(wanted, statuses or [], strict=False):
-            self._probe[key] = LookupResult[st.name]
+            self._probe[key] = (LookupResult[st.name], self._step)
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -449,10 +381,13 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 ans.parked.cancel()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self.pool is not None and time.monotonic() >= self._offline_until:
+        if self.pool is not None and not self.link.offline:
             self._flush_commits()
             self._flush_releases()
             self._flush_stores()
+            # Pins and grants live as long as our lease: keep it alive while we hold any.
+            if self._granted or +self._loading or any(a.pins for a in self._answers.values()):
+                self.link.keep_alive()
         else:
             self._store_batch.clear()
         self._flush_probes()
@@ -465,14 +400,16 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def reset_cache(self) -> None:
         # Workers may still read pinned slots and write granted ones until on_reset_flushed.
         pins = [k for a in self._answers.values() for k in a.pins] + self._release
+        pins += list(self._loading.elements())
+        self._loading.clear()
         self._after_reset = (pins, list(self._granted) + self._commit_ok + self._commit_fail)
         self._answers.clear()
         self._release, self._commit_ok, self._commit_fail = [], [], []
         self._granted.clear()
         self._offered.clear()
         self._known.clear()
-        if self.settings.reset_daemon and self._online():
-            self._call(self.client.reset)
+        if self.settings.reset_daemon and self.link.online():
+            self.link.call(self.client.reset)
 
     def on_reset_flushed(self) -> None:
         if self._after_reset is None:
@@ -482,9 +419,9 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if self.pool is None:
             return
         if pins:
-            self._call(lambda: self.client.complete_load(pins))
+            self.link.call(lambda: self.client.complete_load(pins))
         if grants:
-            self._call(lambda: self.client.commit_store(grants, ok=False))
+            self.link.call(lambda: self.client.commit_store(grants, ok=False))
 
     def shutdown(self) -> None:
         if self.pool is not None:
@@ -492,4 +429,4 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
             self._flush_releases()
         if self.waiter is not None:
             self.waiter.close()
-        self.client.close()
+        self.link.close()

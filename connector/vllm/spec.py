@@ -89,7 +89,8 @@ def _is_kv_cache_config(obj: Any) -> bool:
 
 
 def _is_offloading_scheduler(obj: Any) -> bool:
-    return type(obj).__name__ == "OffloadingConnectorScheduler" and hasattr(obj, "_req_status")
+    # Matched by class name: its _req_status is only assigned after get_manager() returns.
+    return type(obj).__name__ == "OffloadingConnectorScheduler"
 
 
 def _group_spec(group: Any, kv_cache_config: Any, config: OffloadingConfig) -> GroupSpec:
@@ -214,6 +215,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             from kvoffload.connector.vllm.worker import DaemonOffloadingWorker
 
             par = self.config.parallel
-            self._worker = DaemonOffloadingWorker(kv_caches, rank=par.rank,
-                                                  tp_world_size=max(1, par.world_size))
+            self._worker = DaemonOffloadingWorker(
+                kv_caches, rank=par.rank, tp_world_size=max(1, par.world_size),
+                cpu_async=_setting(self.extra_config, "kvoffload_copy_async", True, bool))
         return self._worker

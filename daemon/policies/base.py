@@ -130,12 +130,14 @@ class KeyOrder(Generic[K]):
             if not st & 1:  # discarded, and this was its last occurrence
                 del state[key]
                 continue
+            # Held before asking, so a failing can_evict cannot lose the key.
+            state[key] = st  # live, no occurrence until restored
+            held.append(key)
             if can_evict(key):
+                held.pop()
                 del state[key]
                 self._live -= 1
                 return key
-            state[key] = st  # live, no occurrence until restored
-            held.append(key)
         return None
 
     def restore(self, held: list[K]) -> None:

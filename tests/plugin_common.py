@@ -1,0 +1,59 @@
+"""Small helpers shared by the vLLM plugin tests (vLLM imported lazily)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from kvoffload.connector.client import DaemonClient  # noqa: E402
+from kvoffload.daemon import protocol as p  # noqa: E402
+from kvoffload.daemon.types import Geometry, make_key  # noqa: E402
+
+
+def plugin_config(control: str, **extra: Any) -> dict[str, Any]:
+    """``kv_connector_extra_config`` loading our spec against the daemon at ``control``."""
+    return {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.connector.vllm",
+            "kvoffload_control": control, "kvoffload_timeout_ms": 2000, **extra}
+
+
+def connect(control: str, geometry: Geometry) -> DaemonClient:
+    """A second client of the daemon, registered like the engine (same namespace)."""
+    client = DaemonClient(control, timeout_ms=2000, name="test")
+    for _ in range(500):  # a fresh socket refuses sends until it has connected
+        try:
+            client.register(geometry)
+            return client
+        except Exception:
+            import time
+
+            time.sleep(0.01)
+    raise AssertionError("daemon did not accept a registration")
+
+
+def store(client: DaemonClient, keys: list[bytes], *, commit: bool = True) -> list[int]:
+    """Store keys (whose bytes nobody reads) and return their slots."""
+    grant = client.prepare_store([p.StoreItem(key=k, end_token=0) for k in keys])
+    assert all(o == p.StoreOutcome.GRANTED for o in grant.outcomes), grant
+    if commit:
+        client.commit_store(keys)
+    return grant.slots
+
+
+def keys_at(block_hashes: list[bytes], hash_idx: int, groups: tuple[int, ...] = (0, 1)) -> list[bytes]:
+    return [make_key(block_hashes[hash_idx], g) for g in groups]
+
+
+def end_step(connector: Any) -> Any:
+    """Close a scheduler step with nothing scheduled (vLLM's build_connector_meta)."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    out = SchedulerOutput(
+        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
+    return connector.build_connector_meta(out)
