@@ -132,9 +132,14 @@ class _CpuMemcpy:
         # Round-robin over equal-sized chunks balances bytes across threads.
         parts = [chunks[i :: self.threads] for i in range(self.threads)]
         futures = [self._pool.submit(_copy_chunks, p) for p in parts[1:] if p] if self._pool else []
-        _copy_chunks(parts[0])
-        for f in futures:
-            f.result()
+        try:
+            _copy_chunks(parts[0])
+        finally:
+            # Every piece must have stopped before the job is reported, even a failed one.
+            errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
 
     def close(self) -> None:
         if self._pool is not None:

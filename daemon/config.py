@@ -58,6 +58,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     events_replay: str | None = None
     lookup_events: str | None = None
     engine_events: list[str] = []
+    event_hashes: str = "int"  # "int": last 8 bytes big-endian (vLLM's default); "bytes": raw
     http: str = "127.0.0.1:9400"
     pool_path: str = "/dev/shm/kvoffload-pool"
     pool_bytes: int = 1 << 30
@@ -84,6 +85,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("max_keys_per_request", self.max_keys_per_request > 0, "must be positive"),
             ("max_clients", self.max_clients > 0, "must be positive"),
             ("http", ":" in self.http, "must be HOST:PORT"),
+            ("event_hashes", self.event_hashes in ("int", "bytes"), "must be int or bytes"),
             ("control", "://" in self.control, "must be a ZMQ endpoint like ipc:///run/x.sock"),
             ("log_level", self.log_level.lower() in
              ("debug", "info", "warning", "error"), "must be debug, info, warning or error"),

@@ -59,6 +59,7 @@ class BlockIndex:
         self._waiters: dict[int, list[asyncio.Future[bool]]] = {}
         self.on_ready: list[Listener] = []
         self.on_drop: list[Listener] = []
+        self.on_abort: list[Listener] = []
         self._size(0)
 
     def _size(self, n: int) -> None:
@@ -154,6 +155,8 @@ class BlockIndex:
         slot = ns.keys.get(key)
         if slot is None or self.state[slot] != SlotState.PENDING:
             return False
+        for listener in self.on_abort:
+            listener(ns, key, slot)
         self._release_slot(ns, key, slot)
         self._resolve(slot, False)
         return True

@@ -24,6 +24,7 @@ from kvoffload.daemon import protocol as p
 from kvoffload.daemon.config import Config
 from kvoffload.daemon.http import HttpServer
 from kvoffload.daemon.index import BlockIndex
+from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.pool import Pool
 from kvoffload.daemon.service import RequestError, Service
@@ -57,7 +58,11 @@ class Server:
         self.metrics = DaemonMetrics()
         self.pool = Pool(config.pool_path, config.pool_bytes, prefault=config.prefault)
         self.index = BlockIndex(self.pool, config.policy)
-        self.service = Service(config, self.index, self.metrics)
+        self.events = DaemonEvents(events=config.events, events_replay=config.events_replay,
+                                   lookup_events=config.lookup_events,
+                                   int_hashes=config.event_hashes == "int",
+                                   registry=self.metrics.registry)
+        self.service = Service(config, self.index, self.metrics, self.events)
         self.http = HttpServer(*config.http_host_port, self.metrics.registry, self.readiness)
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
@@ -116,6 +121,7 @@ class Server:
         if self.config.slot_bytes:
             self.index.configure(self.config.slot_bytes)
         self._bind()
+        await self.events.start()
         await self.http.start()
         loop = asyncio.get_running_loop()
         self._loops = [loop.create_task(self._serve_control()),
@@ -126,9 +132,21 @@ class Server:
                  self.control_endpoint, self.http.url, self.pool.path, self.pool.pool_bytes,
                  self.config.policy)
         if self.ready_file:
-            Path(self.ready_file).write_text(json.dumps({
+            self._write_ready_file()
+
+    def _write_ready_file(self) -> None:
+        """Written whole, then renamed: a watcher never reads a half-written file."""
+        assert self.ready_file is not None
+        tmp = Path(f"{self.ready_file}.tmp")
+        tmp.write_text(json.dumps({
                 "pid": os.getpid(), "control": self.control_endpoint, "http": self.http.url,
-                "pool_path": str(self.pool.path)}))
+                "pool_path": str(self.pool.path),
+                "events": self.events.kv.bound_endpoint if self.events.kv else None,
+                "events_replay": (self.events.kv.bound_replay_endpoint
+                                  if self.events.kv else None),
+                "lookup_events": (self.events.lookups.bound_endpoint
+                                  if self.events.lookups else None)}))
+        tmp.replace(self.ready_file)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -219,6 +237,7 @@ class Server:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self._tasks, *self._loops, return_exceptions=True)
+        await self.events.aclose()  # flush what is queued before the sockets go
         await self.http.stop()
         if self._sock is not None:
             self._sock.close(linger=0)

@@ -19,6 +19,7 @@ from kvoffload.daemon import lookup as lk
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.config import Config
 from kvoffload.daemon.index import BlockIndex, Namespace, SlotState
+from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.leases import ClientState, Leases
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.types import Geometry, GroupKind, KeyStatus, key_group
@@ -63,10 +64,15 @@ def validate_geometry(g: Geometry, rank: int) -> None:
 
 
 class Service:
-    def __init__(self, config: Config, index: BlockIndex, metrics: DaemonMetrics) -> None:
+    def __init__(self, config: Config, index: BlockIndex, metrics: DaemonMetrics,
+                 events: DaemonEvents) -> None:
         self.config = config
         self.index = index
         self.metrics = metrics
+        self.events = events
+        index.on_ready.append(events.stored)
+        index.on_drop.append(events.dropped)
+        index.on_abort.append(lambda ns, key, slot: events.forget(slot))
         self.leases = Leases(config.lease_ms, config.max_clients)
         self.daemon_id = uuid.uuid4().hex
         self.draining = False
@@ -167,13 +173,16 @@ class Service:
                     pin: bool) -> tuple[p.LookupAnswer, list[bytes]]:
         hits: list[bytes] = []
         pending: list[bytes] = []
+        misses: list[bytes] = []
         status = self.index.status
 
         def probe(key: bytes) -> KeyStatus:
             s = status(ns, key)
             if s is KeyStatus.HIT:
                 hits.append(key)
-            elif s is not KeyStatus.MISS:
+            elif s is KeyStatus.MISS:
+                misses.append(key)
+            else:
                 pending.append(key)
             return s
 
@@ -188,7 +197,7 @@ class Service:
         if out.hit_tokens is None:
             pass
         elif out.hit_tokens == 0:
-            reason = self._miss_reason(ns, q, hits)
+            reason = self._miss_reason(ns, q, hits, misses)
         else:
             slots = [self.index.ready_slot(ns, k) or 0 for k in out.load_keys]
             for slot in slots:
@@ -204,13 +213,18 @@ class Service:
                                 hit_keys=hits, pending_keys=pending, miss_reason=reason)
         return answer, out.deferred_keys
 
-    def _miss_reason(self, ns: Namespace, q: p.LookupQuery, hits: list[bytes]) -> str:
+    def _miss_reason(self, ns: Namespace, q: p.LookupQuery, hits: list[bytes],
+                     misses: list[bytes]) -> str:
         smallest = min(g.tokens_per_block for g in ns.geometry.groups)
         if q.num_prompt_tokens - q.local_tokens <= min(smallest, ns.geometry.tokens_per_hash):
             return "too_short"
+        if misses and self.events.was_evicted(misses[0]):
+            return "evicted"
         return "group_missing" if hits else "not_stored"
 
-    def _count(self, q: p.LookupQuery, a: p.LookupAnswer) -> None:
+    def _report(self, ns: Namespace, q: p.LookupQuery, a: p.LookupAnswer) -> None:
+        """Count one final answer and publish its lookup event."""
+        self.events.lookup(ns, q, a)
         m = self.metrics
         m.lookup_tokens.labels("requested").inc(q.num_prompt_tokens - q.local_tokens)
         if a.hit_tokens is None:
@@ -232,7 +246,7 @@ class Service:
             answers.append(a)
             waits.extend(deferred)
             if final or a.hit_tokens is not None:
-                self._count(q, a)
+                self._report(ns, q, a)
         return answers, waits
 
     def lookup(self, client: ClientState, msg: p.Lookup) -> p._Msg | Awaitable[p._Msg]:
@@ -277,7 +291,7 @@ class Service:
                    if a.hit_tokens is None else a for a in answers]
         for q, a in zip(msg.queries, answers, strict=True):
             if a.miss_reason == "pending":
-                self._count(q, a)
+                self._report(ns, q, a)
         return p.LookupReply(rid=msg.rid, answers=answers)
 
     def probe(self, client: ClientState, msg: p.Probe) -> p.ProbeReply:
@@ -301,6 +315,7 @@ class Service:
                     len(got.evicted))
             if got.slot is not None:
                 outcome = p.StoreOutcome.GRANTED
+                self.events.remember(got.slot, item)
                 client.pending.add(got.slot)
                 self._pending_owner[got.slot] = client
             else:

@@ -29,6 +29,7 @@ from typing import Any, Final
 import msgspec
 import zmq
 import zmq.asyncio
+import zmq.backend
 from prometheus_client import CollectorRegistry
 
 from .metrics import event_metrics
@@ -115,6 +116,13 @@ class EventPublisher:
         # The replay ROUTER is owned by a zmq.asyncio socket (to await requests); sends go
         # through a non-owning plain shadow of it, which needs no future per message.
         self._arouter: zmq.asyncio.Socket | None = None
+        # zmq.Socket.send only adds DRAFT routing_id/group handling on top of the compiled
+        # backend method; calling the backend directly saves a Python frame per frame sent.
+        raw_send = getattr(zmq.backend.Socket, "send", None)
+        self._send: Callable[[bytes, int], Any] = (
+            raw_send.__get__(self._pub) if raw_send is not None else self._pub.send
+        )
+
         self._router: zmq.Socket[Any] | None = None
         self._replay_endpoint: str | None = None
         if replay_endpoint is not None:
@@ -256,7 +264,7 @@ class EventPublisher:
             return
         popleft = q.popleft
         encode = self._encoder.encode
-        send = self._pub.send
+        send = self._send
         keep = self._buffer.append
         pack = SEQ.pack
         topic = self._topic

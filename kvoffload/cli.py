@@ -18,6 +18,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--lookup-events", help="PUB endpoint for lookup / miss-reason events")
     s.add_argument("--engine-events", action="append",
                    help="an engine's KV-event endpoint EP[,REPLAY_EP] (repeatable)")
+    s.add_argument("--event-hashes", choices=["int", "bytes"],
+                   help="block hashes in events as integers (vLLM's default) or raw bytes")
     s.add_argument("--http", help="HOST:PORT for /healthz /readyz /metrics (127.0.0.1:9400)")
     s.add_argument("--pool-path", help="shared-memory pool file (/dev/shm/kvoffload-pool)")
     s.add_argument("--pool-bytes", help="pool size, e.g. 64GiB")
@@ -38,7 +40,8 @@ def _serve(args: argparse.Namespace) -> int:
     from kvoffload.daemon.logs import setup_logging
     from kvoffload.daemon.server import StartupError, run
 
-    keys = ["control", "events", "events_replay", "lookup_events", "engine_events", "http",
+    keys = ["control", "events", "events_replay", "lookup_events", "engine_events",
+            "event_hashes", "http",
             "pool_path", "pool_bytes", "slot_bytes", "state_dir", "policy", "lease_ms",
             "log_format", "log_level"]
     try:

@@ -27,6 +27,11 @@ status=0
 "$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' \
   2>&1 | tee "$OUT/env.txt"
 
+if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+  echo "CUDA is not available to $PY: the GPU tests below only skip" | tee "$OUT/NO_CUDA.txt"
+  status=2
+fi
+
 if "$PY" -c 'import pytest' 2>/dev/null; then
   # --noconftest and -o addopts=: other tests' fixtures and plugins need packages this box lacks.
   "$PY" -m pytest -p no:cacheprovider --noconftest -o addopts= -m gpu -v -rs \

@@ -56,7 +56,8 @@ class DaemonHandle:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"daemon not ready in {timeout}s:\n{self.log()}")
             time.sleep(0.02)
-        self.http_url = json.loads(self.ready_file.read_text())["http"]
+        self.ready = json.loads(self.ready_file.read_text())
+        self.http_url = self.ready["http"]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -12,8 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from kvoffload.connector import pool_map
 from kvoffload.connector.copier import (
     BlockCopier,
@@ -24,6 +27,7 @@ from kvoffload.connector.copier import (
     items_for_groups,
     layout_from_canonical,
 )
+from kvoffload.connector.layout import block_runs
 from prometheus_client import CollectorRegistry
 
 NUM_BLOCKS = 128
@@ -100,6 +104,15 @@ def run_job(
     results = copier.get_finished()
     assert [r.job_id for r in results] == [job_id]
     return results[0]
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=30))
+def test_block_runs_cover_items_exactly(pairs: list[tuple[int, int]]) -> None:
+    blocks = np.array([b for b, _ in pairs], dtype=np.int64)
+    slots = np.array([s for _, s in pairs], dtype=np.int64)
+    runs = block_runs(blocks, slots)
+    expanded = sorted((b0 + i, s0 + i) for b0, s0, n in runs for i in range(n))
+    assert expanded == sorted(pairs)
 
 
 def test_layout_groups_and_bytes() -> None:

@@ -216,9 +216,8 @@ def test_daemon_down_lookups_miss_and_stores_skip(tmp_path: Path) -> None:
 
 def test_kvoffload_connector_subclass(daemon) -> None:  # type: ignore[no-untyped-def]
     """The explicit path: no frame inspection needed, same behaviour."""
-    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-
     from kvoffload.connector.vllm import KVOffloadConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
     from vllm_harness import build_vllm_config
 
     vc = build_vllm_config(plugin_config(daemon.control))
@@ -231,3 +230,97 @@ def test_kvoffload_connector_subclass(daemon) -> None:  # type: ignore[no-untype
     conn.on_new_request(req)
     assert conn.get_num_new_matched_tokens(req, 0) == (28, True)
     manager.shutdown()
+
+
+def test_worker_rank_pages_and_refused_slots(tmp_path: Path) -> None:
+    """Each TP rank copies its own page of a slot; a slot of -1 copies nothing."""
+    import os
+    import uuid
+
+    import torch
+    from kvoffload.connector.vllm.worker import DaemonOffloadingWorker, PoolInfo, PoolSlotsSpec
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+
+    page, slots_n = 512, 8
+    path = f"/dev/shm/kvoffload-plugin-{uuid.uuid4().hex[:8]}"
+    with open(path, "wb") as f:
+        f.truncate(slots_n * 2 * page)
+    try:
+        pool = PoolInfo("d1", path, slots_n * 2 * page, 2 * page, page)
+        kv, workers = [], []
+        for rank in range(2):
+            t = torch.randint(-128, 128, (8, page), dtype=torch.int8)
+            canonical = CanonicalKVCaches([CanonicalKVCacheTensor(t, page)],
+                                          [[CanonicalKVCacheRef(0, page)],
+                                           [CanonicalKVCacheRef(0, page // 2)]])
+            kv.append(t)
+            workers.append(DaemonOffloadingWorker(canonical, rank, 2, cpu_async=False))
+        before = [t.clone() for t in kv]
+        for job, w in enumerate(workers):
+            src = GPULoadStoreSpec([1, 2, 3], group_sizes=[2, 1], block_indices=[0, 0])
+            assert w.submit_store(job, src, PoolSlotsSpec([3, -1, 5], pool))
+            (result,) = w.get_finished()
+            assert result.success and result.transfer_size == page + page // 2
+        raw = torch.from_file(path, shared=False, size=slots_n * 2 * page, dtype=torch.int8)
+        for rank in range(2):  # slot 3 holds block 1 of each rank, in that rank's page
+            assert torch.equal(raw[3 * 2 * page + rank * page:][:page], before[rank][1])
+        for t in kv:
+            t.zero_()
+        for job, w in enumerate(workers, start=10):
+            dst = GPULoadStoreSpec([6, 7], group_sizes=[1, 1], block_indices=[0, 0])
+            assert w.submit_load(job, PoolSlotsSpec([3, 5], pool), dst)
+            assert [r.success for r in w.get_finished()] == [True]
+        for rank in range(2):
+            assert torch.equal(kv[rank][6], before[rank][1])
+            assert torch.equal(kv[rank][7][: page // 2], before[rank][3][: page // 2])
+        # Nothing to copy (every store refused): done at once, nothing moved.
+        src = GPULoadStoreSpec([1], group_sizes=[1, 0], block_indices=[0, 0])
+        assert workers[0].submit_store(99, src, PoolSlotsSpec([-1], pool))
+        assert [(r.job_id, r.success, r.transfer_size) for r in workers[0].get_finished()] == [
+            (99, True, 0)]
+        for w in workers:
+            w.shutdown()
+    finally:
+        os.unlink(path)
+
+
+def test_store_items_describe_their_tokens(daemon) -> None:  # type: ignore[no-untyped-def]
+    """What PrepareStore tells the daemon (for self-describing events) about each key."""
+    from kvoffload.daemon.types import make_key
+    from vllm.v1.kv_offload.base import ReqContext
+
+    conn = build_scheduler_connector(plugin_config(daemon.control))
+    manager = conn.scheduler.manager
+    req = make_request(list(range(500, 530)), "items")
+    conn.on_new_request(req)
+    conn.get_num_new_matched_tokens(req, 0)  # vLLM records every chunk key's position
+    h = req.block_hashes
+    chunk, tail = make_key(h[3], 0), make_key(h[6], 1)
+    ctx = conn.scheduler._req_status["items"].req_context
+    ctx.set_offload_key_position(tail, 28)
+    manager.prepare_store([chunk, tail], ctx)
+    items = {item.key: item for item, _, _ in manager._store_batch}
+    assert items[chunk].token_ids == list(range(500, 516)) and not items[chunk].tail
+    assert items[chunk].block_hashes == h[0:4] and items[chunk].parent_hash is None
+    assert items[tail].token_ids == list(range(516, 528)) and items[tail].tail
+    assert items[tail].end_token == 28 and items[tail].parent_hash == h[3]
+    assert items[tail].block_hashes == h[4:7]
+    assert isinstance(ctx, ReqContext)
+    manager.shutdown()
+
+
+def test_keep_alive_only_when_idle(daemon) -> None:  # type: ignore[no-untyped-def]
+    conn = build_scheduler_connector(plugin_config(daemon.control))
+    link = conn.scheduler.manager.link
+    before = link.client.round_trips
+    link.keep_alive()  # just registered: nothing to do
+    assert link.client.round_trips == before
+    link._last_call = 0.0  # as if a whole lease went by without a call
+    link.keep_alive()
+    assert link.client.round_trips == before + 1
+    conn.scheduler.manager.shutdown()

@@ -1,6 +1,10 @@
-"""What the manager needs from around it: vLLM's per-request state, daemon futures, and the
-optional ``KVOffloadConnector`` that hands both over without looking at vLLM's frames.
+"""What the manager needs from around it: its daemon connection, vLLM's per-request state,
+daemon futures, and the optional ``KVOffloadConnector`` that hands vLLM's state over without
+looking at vLLM's frames.
 
+* ``DaemonLink`` owns the scheduler's ``DaemonClient``: registration (retried while a fresh
+  socket connects), an offline window of ``retry_ms`` after a failure in which no call is made,
+  and the daemon's generation (``daemon_id``): a restarted daemon holds none of our pins.
 * ``SchedulerRequests`` reads ``OffloadingConnectorScheduler._req_status`` (vLLM 0.33): the
   request's block hashes, token ids, LoRA name and the tokens the GPU prefix cache already
   holds. vLLM fills ``num_locally_computed_tokens`` right before it asks the manager, so the
@@ -16,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from kvoffload.connector.client import AsyncDaemonClient, DaemonUnavailable
-from kvoffload.connector.vllm.manager import DaemonOffloadingManager, RequestInfo
+from kvoffload.connector.client import AsyncDaemonClient, DaemonClient, DaemonUnavailable
+from kvoffload.connector.vllm.worker import PoolInfo
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.types import Geometry
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # type: ignore[import-untyped]
@@ -29,6 +35,125 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import ( 
 )
 
 log = logging.getLogger("kvoffload.connector.vllm")
+
+_CONNECT_GRACE_MS = 100
+
+
+@dataclass
+class RequestInfo:
+    """What the manager needs to know about a request, read from vLLM's scheduler state."""
+
+    block_hashes: list[bytes]
+    num_tokens: int
+    num_prompt_tokens: int
+    local_tokens: int  # tokens the GPU prefix cache holds (vLLM's num_computed_tokens)
+    token_ids: Callable[[int, int], list[int]] | None = None
+    lora_name: str | None = None
+
+
+class RequestSource(Protocol):
+    def get(self, req_id: str) -> RequestInfo | None: ...
+
+    def waiting(self) -> Iterable[tuple[str, RequestInfo]]: ...
+
+
+class RequestWaiter(Protocol):
+    """Parks a deferred query on the daemon's futures (``Lookup`` with ``wait_ms``)."""
+
+    def park(self, query: p.LookupQuery) -> Future[Any]: ...
+
+    def close(self) -> None: ...
+
+
+class DaemonLink:
+    def __init__(self, client: DaemonClient, geometry: Geometry, timeout_ms: int,
+                 retry_ms: int) -> None:
+        self.client = client
+        self.geometry = geometry
+        self.timeout_ms = timeout_ms
+        self.retry_ms = retry_ms
+        self.pool: PoolInfo | None = None
+        self.on_lost: Callable[[], None] = lambda: None
+        self.counters: dict[str, int] = {"offline_events": 0, "protocol_errors": 0}
+        self._offline_until = 0.0
+        self._last_call = 0.0
+
+    @property
+    def offline(self) -> bool:
+        return time.monotonic() < self._offline_until
+
+    def online(self) -> bool:
+        """Registered and reachable; (re)registers once the offline window has passed."""
+        if self.offline:
+            return False
+        if self.pool is not None:
+            return True
+        # A fresh socket connects asynchronously and refuses sends until it has (well under a
+        # millisecond over ipc): retry briefly; a daemon that is gone refuses just the same.
+        deadline = time.monotonic() + min(self.timeout_ms, _CONNECT_GRACE_MS) / 1000
+        while True:
+            try:
+                self.client.connect()  # a fresh Welcome: the daemon_id workers key pools on
+                reg = self.client.register(self.geometry)
+                break
+            except p.ProtocolError as exc:
+                self._lost(exc)
+                return False
+            except DaemonUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    self._lost(exc)
+                    return False
+                time.sleep(0.01)
+        self._adopt(reg)
+        return True
+
+    def _adopt(self, reg: p.Registered) -> None:
+        welcome = self.client.welcome
+        daemon_id = welcome.daemon_id if welcome else ""
+        if self.pool is not None and self.pool.daemon_id != daemon_id:
+            self.on_lost()
+        pool_bytes = welcome.pool_bytes if welcome else reg.slot_bytes * reg.num_slots
+        self.pool = PoolInfo(daemon_id, reg.pool_path, pool_bytes, reg.slot_bytes, reg.rank_bytes)
+        self._last_call = time.monotonic()
+
+    def _lost(self, exc: Exception) -> None:
+        if not self.offline:
+            log.warning("kvoffload daemon unavailable (%s); lookups miss for %d ms",
+                        exc, self.retry_ms)
+        self.counters["offline_events"] += 1
+        self._offline_until = time.monotonic() + self.retry_ms / 1000
+        # A restarted daemon knows none of our pins or grants; a slow one drops them when our
+        # lease expires. Either way they are not ours to release any more.
+        self.pool = None
+        self.on_lost()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """One client call; None when it failed (a daemon gone makes the link offline)."""
+        if self.offline or self.pool is None:
+            return None
+        try:
+            result = fn()
+        except DaemonUnavailable as exc:
+            self._lost(exc)
+            return None
+        except p.ProtocolError as exc:
+            self.counters["protocol_errors"] += 1
+            log.error("kvoffload daemon refused a call: %s", exc)
+            return None
+        self._last_call = time.monotonic()
+        reg, welcome = self.client.registered, self.client.welcome
+        if reg is not None and welcome is not None and welcome.daemon_id != self.pool.daemon_id:
+            self._adopt(reg)  # the client re-registered with a restarted daemon
+        return result
+
+    def keep_alive(self) -> None:
+        """Heartbeat when a third of the lease passed without a call (pins die with it)."""
+        lease_ms = self.client.welcome.lease_ms if self.client.welcome else 10_000
+        if time.monotonic() - self._last_call > lease_ms / 3000:
+            self.call(self.client.heartbeat)
+
+    def close(self) -> None:
+        self.client.close()
 
 
 class SchedulerRequests:
@@ -135,6 +260,7 @@ class KVOffloadConnector(OffloadingConnector):  # type: ignore[misc]
     ``kv_connector_module_path="kvoffload.connector.vllm"``)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        from kvoffload.connector.vllm.manager import DaemonOffloadingManager
         from kvoffload.connector.vllm.spec import KV_CACHE_CONFIG
 
         token = KV_CACHE_CONFIG.set(kv_cache_config)

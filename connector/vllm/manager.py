@@ -87,7 +87,7 @@ class ManagerSettings:
     prefetch_max: int = 16  # at most this many other requests per Lookup
     policy: str = "request"  # "request" (fixes the vLLM 0.33 tail gap) or "chunk"
     reset_daemon: bool = True  # forward vLLM's reset_cache to the daemon (this namespace)
-    known_keys: int = 1 << 20  # keys remembered as stored (skips re-offering them)
+    known_keys: int = 1 << 16  # keys remembered as stored (not offered again)
 
 
 class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]

@@ -62,6 +62,7 @@ def manager_settings(extra: Mapping[str, Any]) -> ManagerSettings:
         prefetch_max=_setting(extra, "kvoffload_prefetch_max", 16, int),
         policy=policy,
         reset_daemon=_setting(extra, "kvoffload_reset_daemon", True, bool),
+        known_keys=_setting(extra, "kvoffload_known_keys", 1 << 16, int),
     )
 
 
@@ -184,15 +185,16 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             s = self.settings
+            from kvoffload.connector.vllm.connector import DaemonLink, DaemonWaiter
+
             client = DaemonClient(self.endpoint, timeout_ms=s.timeout_ms,
                                   name=f"vllm scheduler {self.config.engine_id} pid {os.getpid()}")
+            link = DaemonLink(client, self.geometry, s.timeout_ms, s.retry_ms)
             waiter = None
             if s.wait_ms > 0:
-                from kvoffload.connector.vllm.connector import DaemonWaiter
-
                 waiter = DaemonWaiter(self.endpoint, self.geometry, s.wait_ms, s.timeout_ms)
             self._manager = DaemonOffloadingManager(
-                client, self.geometry, s, waiter=waiter,
+                link, self.geometry, s, waiter=waiter,
                 group_ids=[g.group_id for g in self.config.groups])
             scheduler = _from_callers("self", _is_offloading_scheduler)
             if scheduler is not None:

@@ -1,0 +1,111 @@
+"""Shared helpers for the events tests (plain functions: fixtures live in the test files)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import zmq
+from prometheus_client import CollectorRegistry
+
+from kvoffload.events.publisher import EventPublisher
+from kvoffload.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvoffload.events.subscriber import Gap, Received, Reset, _Subscriber
+
+Item = Received[Any] | Gap | Reset
+
+
+def ipc_endpoints() -> Iterator[Callable[[str], str]]:
+    """Yield a factory of ipc:// endpoints in a short private dir (ipc paths max ~107 chars)."""
+    d = tempfile.mkdtemp(prefix="kvo-", dir="/tmp")
+    try:
+        yield lambda name: f"ipc://{d}/{name}"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def stored(i: int, n_tokens: int = 4, *, as_bytes: bool = False, **extra: Any) -> BlockStored:
+    h: int | bytes = i.to_bytes(32, "big") if as_bytes else 1000 + i
+    return BlockStored(
+        block_hashes=[h],
+        parent_block_hash=None,
+        token_ids=list(range(i * n_tokens, (i + 1) * n_tokens)),
+        block_size=n_tokens,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        **extra,
+    )
+
+
+def batch(i: int, n_events: int = 1) -> EventBatch:
+    return EventBatch(ts=1_764_400_000.0 + i, events=[stored(i * 100 + j) for j in range(n_events)])
+
+
+def mixed_batch(i: int) -> EventBatch:
+    return EventBatch(
+        ts=float(i),
+        events=[
+            stored(i, as_bytes=True, group_idx=1, kv_cache_spec_kind="full_attention"),
+            BlockRemoved(block_hashes=[7, 8], medium="CPU"),
+            AllBlocksCleared(),
+        ],
+        data_parallel_rank=2,
+    )
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Bounded wait for a condition that has no event to await (e.g. a sender's progress)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(0.002)
+
+
+async def take(sub: _Subscriber[Any], n: int, timeout: float = 5.0) -> list[Item]:
+    """The next `n` items, each within `timeout`."""
+    return [await sub.recv(timeout) for _ in range(n)]
+
+
+async def prime(pub: EventPublisher, sub: _Subscriber[Any], timeout: float = 5.0) -> None:
+    """Publish probes until `sub` receives one, then drain every probe sent (slow joiner)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pub.publish(EventBatch(ts=-1.0, events=[]))
+        try:
+            item = await sub.recv(0.05)
+            break
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+    last = pub.next_seq - 1
+    while not (isinstance(item, Received) and item.seq >= last):
+        item = await sub.recv(timeout)
+        last = pub.next_seq - 1
+
+
+async def prime_raw(pub: EventPublisher, sock: zmq.Socket[Any], timeout: float = 5.0) -> None:
+    """Same for a raw SUB socket: afterwards the socket holds no probe."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pub.publish(EventBatch(ts=-1.0, events=[]))
+        await wait_until(lambda: pub.queued == 0)
+        if sock.poll(50):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError("raw SUB never received a probe")
+    last = pub.next_seq - 1
+    while True:
+        frames = sock.recv_multipart()
+        if int.from_bytes(frames[1], "big") >= last:
+            return
