@@ -220,4 +220,6 @@ def run_events_bench(
 if __name__ == "__main__":
     res = run_events_bench(quick="--full" not in sys.argv)
     print(msgspec.json.format(msgspec.json.encode(res)).decode())
-    print(f"ratio (1 event/batch, ours/vLLM): {res['ratio']}  target {TARGET}  meets={res['meets']}")
+    print(
+        f"ratio (1 event/batch, ours/vLLM): {res['ratio']}  target {TARGET}  meets={res['meets']}"
+    )

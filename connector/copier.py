@@ -390,7 +390,8 @@ class BlockCopier:
                 job.done.wait()
 
     def close(self) -> None:
-        """Finish queued work and drop the pool views (so the mapping can be unmapped)."""
+        """Finish queued work and drop the pool views (so the mapping can be unmapped).
+        Results of finished jobs stay available to ``get_finished``."""
         if self._closed:
             return
         self._closed = True

@@ -26,6 +26,7 @@ from kvoffload.daemon.http import HttpServer
 from kvoffload.daemon.index import BlockIndex
 from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.metrics import DaemonMetrics
+from kvoffload.daemon.notify import Notifier
 from kvoffload.daemon.pool import Pool
 from kvoffload.daemon.service import RequestError, Service
 
@@ -72,6 +73,7 @@ class Server:
         self._stopping = asyncio.Event()
         self.accepting = False
         self.control_endpoint = config.control
+        self.notifier = Notifier.from_env()
 
     # -- start ------------------------------------------------------------------------
 
@@ -133,6 +135,8 @@ class Server:
                  self.config.policy)
         if self.ready_file:
             self._write_ready_file()
+        self.notifier.ready(f"serving {self.control_endpoint}")
+        self.notifier.start_watchdog()
 
     def _write_ready_file(self) -> None:
         """Written whole, then renamed: a watcher never reads a half-written file."""
@@ -228,6 +232,8 @@ class Server:
     async def shutdown(self) -> None:
         """Stop accepting, answer parked lookups, close sockets, unmap and unlock."""
         self.accepting = False
+        self.notifier.stopping()
+        self.notifier.stop_watchdog()
         self.service.draining = True
         self.index.cancel_waiters()  # parked lookups re-run and answer now
         await asyncio.sleep(0)
@@ -248,6 +254,7 @@ class Server:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        self.notifier.close()
         log.info("kvoffload daemon stopped")
 
 

@@ -25,6 +25,7 @@ Design notes (why):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -123,6 +124,7 @@ class _Subscriber(Generic[B]):
         self._asub: zmq.asyncio.Socket | None = None
         self._sub: zmq.Socket[Any] | None = None
         self._adealer: zmq.asyncio.Socket | None = None
+        self._recovery: asyncio.Task[None] | None = None  # replay in progress, if any
         self._started = False
         self._closed = False
         self._logged: set[str] = set()
@@ -160,10 +162,15 @@ class _Subscriber(Generic[B]):
         if self._replay_endpoint is not None:
             self._new_dealer()
             if self._from_seq is not None:
-                await self._recover(self._from_seq)
+                self._start_recovery(self._from_seq, None)
+                await asyncio.shield(self._recovery)  # type: ignore[arg-type]
 
     async def aclose(self) -> None:
         self._closed = True
+        if self._recovery is not None:
+            self._recovery.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._recovery
         if self._asub is not None:
             self._asub.close(linger=0)
         if self._adealer is not None:
@@ -182,11 +189,19 @@ class _Subscriber(Generic[B]):
     async def __anext__(self) -> Received[B] | Gap | Reset:
         if not self._started:
             await self.start()
-        while not self._pending:
+        pending = self._pending
+        while not pending:
             if self._closed:
                 raise StopAsyncIteration
-            await self._pump()
-        return self._pending.popleft()
+            if self._recovery is not None:
+                # Shielded: a consumer's timeout must not abort a replay half-way (the live
+                # message that triggered it would be lost); the next call picks it up.
+                await asyncio.shield(self._recovery)
+                continue
+            self._pump()
+            if not pending and self._recovery is None:
+                await self._wait_readable()
+        return pending.popleft()
 
     async def recv(self, timeout: float | None = None) -> Received[B] | Gap | Reset:
         """Next item, waiting at most `timeout` seconds (TimeoutError after that)."""
@@ -195,31 +210,37 @@ class _Subscriber(Generic[B]):
 
     # -- live stream -------------------------------------------------------------------------
 
-    async def _pump(self) -> None:
-        sub, asub = self._sub, self._asub
-        assert sub is not None and asub is not None
+    async def _wait_readable(self) -> None:
+        assert self._asub is not None
+        try:
+            await self._asub.poll(None)  # POLLIN is the default
+        except asyncio.CancelledError:
+            # Closing the socket cancels the poll: end iteration instead of leaking a
+            # cancellation the consumer never asked for.
+            if not self._closed:
+                raise
+        except zmq.ZMQError:
+            if not self._closed:
+                raise
+
+    def _pump(self) -> None:
+        """Handle queued live messages without awaiting, until items or a recovery appear."""
+        sub = self._sub
+        assert sub is not None
         for _ in range(_RECV_BURST):
             try:
                 frames = sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                if not self._pending:
-                    try:
-                        await asub.poll(None)  # POLLIN is the default
-                    except asyncio.CancelledError:
-                        # Closing the socket cancels the poll: end iteration, do not leak a
-                        # cancellation the consumer never asked for.
-                        if not self._closed:
-                            raise
                 return
             except zmq.ZMQError:
                 if self._closed:
                     return
                 raise
-            await self._on_live(frames)
-            if self._pending:
+            self._on_live(frames)
+            if self._pending or self._recovery is not None:
                 return
 
-    async def _on_live(self, frames: list[bytes]) -> None:
+    def _on_live(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
             self._malformed("frames", f"{len(frames)} frames")
             return
@@ -243,9 +264,9 @@ class _Subscriber(Generic[B]):
             self._next = seq  # first message ever: start where the stream is
         elif seq > expected:
             self._m_gaps.inc()
-            await self._recover(expected)
-            if self._next is not None and seq < self._next:
-                return  # the replay covered it
+            if self._adealer is not None:
+                self._start_recovery(expected, (seq, frames[2]))
+                return
         self._deliver(seq, frames[2], replayed=False)
 
     def _deliver(self, seq: int, payload: bytes, replayed: bool) -> None:
@@ -285,15 +306,26 @@ class _Subscriber(Generic[B]):
         self._adealer.setsockopt(zmq.RCVHWM, 0)  # a replay may exceed the default 1000
         self._adealer.connect(self._replay_endpoint)
 
-    async def _recover(self, start: int) -> None:
-        """Replay from `start`, deliver what comes back in order; the rest becomes a Gap."""
-        got = await self._replay(start) if self._adealer is not None else []
-        self._next = start if self._next is None else self._next
-        for seq, payload in got:
-            if seq < self._next:
-                continue
-            self._deliver(seq, payload, replayed=True)
-            self._replayed_high = seq
+    def _start_recovery(self, start: int, live: tuple[int, bytes] | None) -> None:
+        self._recovery = asyncio.get_running_loop().create_task(self._recover(start, live))
+
+    async def _recover(self, start: int, live: tuple[int, bytes] | None) -> None:
+        """Replay from `start` and deliver in order, then the live message that showed the gap.
+
+        Whatever neither supplies becomes a `Gap`.
+        """
+        try:
+            got = await self._replay(start)
+            if self._next is None:
+                self._next = start
+            for seq, payload in got:
+                if seq >= self._next:
+                    self._deliver(seq, payload, replayed=True)
+                    self._replayed_high = seq
+            if live is not None and live[0] >= self._next:
+                self._deliver(live[0], live[1], replayed=False)
+        finally:
+            self._recovery = None
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]]:
         dealer = self._adealer
@@ -310,6 +342,9 @@ class _Subscriber(Generic[B]):
                     if frames[2] == END_SEQ:
                         return got
                     got.append((SEQ.unpack(frames[2])[0], frames[3]))
+        except asyncio.CancelledError:
+            self._new_dealer()  # replies to this request must not reach the next one
+            raise
         except TimeoutError:
             log.warning(
                 "stream %s: replay from %d timed out after %.1fs (%d batches received)",

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvoffload.events.tail import add_events_parser
 
     add_events_parser(sub)
+    from kvoffload.daemon.stats_cli import add_stats_parser
+
+    add_stats_parser(sub)
     try:
         from kvoffload.bench.cli import add_bench_parser
     except ImportError:  # the bench package is optional in minimal installs

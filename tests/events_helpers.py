@@ -10,11 +10,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
-from prometheus_client import CollectorRegistry
-
 from kvoffload.events.publisher import EventPublisher
 from kvoffload.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvoffload.events.subscriber import Gap, Received, Reset, _Subscriber
+from prometheus_client import CollectorRegistry
 
 Item = Received[Any] | Gap | Reset
 
@@ -109,3 +108,9 @@ async def prime_raw(pub: EventPublisher, sock: zmq.Socket[Any], timeout: float =
         frames = sock.recv_multipart()
         if int.from_bytes(frames[1], "big") >= last:
             return
+
+
+async def arecv(sock: zmq.Socket[Any], timeout: float = 5.0) -> list[bytes]:
+    """Receive from a plain socket without blocking the loop (publishers run on it)."""
+    await wait_until(lambda: bool(sock.poll(0)), timeout)
+    return sock.recv_multipart()

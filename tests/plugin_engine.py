@@ -119,7 +119,7 @@ class MiniEngine:
         self.steps = 0
         self.prefill_tokens: dict[str, int] = {}  # tokens the model computed per prompt
         self.on_loaded: Callable[[str], None] | None = None
-        self.pending_done: dict[int, int] = {}
+        self._stores_due: list[int] = []
 
     @property
     def connector(self) -> Any:
@@ -188,10 +188,13 @@ class MiniEngine:
                 if self.on_loaded is not None:
                     self.on_loaded(req_id)
         else:
+            # Same timing as vLLM's worker with synchronous copies: a store job is submitted
+            # at the start of the next step and reported then; a load in its own step.
             sampled = self._forward(out)
             done = OffloadingWorkerMetadata()
-            for job_id in (*meta.load_jobs, *meta.store_jobs):
+            for job_id in (*meta.load_jobs, *self._stores_due):
                 done.mark_completed(job_id)
+            self._stores_due = list(meta.store_jobs)
             kv_out.finished_recving = {job.req_id for job in meta.load_jobs.values()}
             kv_out.kv_connector_worker_meta = done if done.completed_jobs else None
         ids = list(out.num_scheduled_tokens)

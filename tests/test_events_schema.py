@@ -11,7 +11,6 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvoffload.events.schema import (
     LOOKUP_SCHEMA_VERSION,
     MISS_REASONS,

@@ -181,3 +181,39 @@ def test_round_trips_per_step_and_no_deferral(daemon: DaemonHandle) -> None:
     # Lookup, commit, release and store batches: never more than one of each per step.
     assert max(trips for trips, _ in per_step) <= 4, per_step
     e.shutdown()
+
+
+def test_request_waiting_for_our_own_store_hits_right_after_it(daemon: DaemonHandle) -> None:
+    """B arrives while A's partial tail is being written: B is deferred (HIT_PENDING) exactly
+    until the step after A's store completed, as with vLLM's in-process manager."""
+    e = engine(daemon.control)
+    manager = e.connector.scheduler.manager
+    prompt = list(range(600, 630))
+    e.add(prompt, "A")
+    for _ in range(3):  # 16, 12 (to 28), then 2 tokens: this step hands off the CoW tail
+        e.step()
+    results: list[Any] = []
+    completed: list[int] = []
+    original_lookup, original_complete = e.connector.get_num_new_matched_tokens, \
+        manager.complete_store
+
+    def lookup(request: Any, num_computed_tokens: int) -> Any:
+        result = original_lookup(request, num_computed_tokens)
+        results.append((e.steps, result))
+        return result
+
+    def complete_store(keys: Any, ctx: Any, success: bool = True) -> None:
+        completed.append(e.steps)
+        original_complete(keys, ctx, success)
+
+    e.connector.get_num_new_matched_tokens = lookup
+    manager.complete_store = complete_store
+    e.add(prompt, "B")
+    e.run()
+    assert results[0] == (3, (None, False))  # the tail keys are being written
+    assert manager.counters["parked"] >= 1
+    tail_done = completed[0]  # the store of the tail, reported with a step's outputs
+    # The next step: 16 tokens from the GPU prefix cache, 12 loaded (the tail at 28).
+    assert results[1:] == [(tail_done + 1, (12, True))]
+    assert e.prefill_tokens["B"] == 2
+    e.shutdown()

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvoffload.connector.vllm")
 
 _PROBE_STEPS = 4  # fallback probe answers stay valid this many steps
+_NO_INFO = object()  # no vLLM request state for a request: the per-key probe fallback
 
 
 @dataclass
@@ -113,6 +114,7 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
                                        for i in range(len(geometry.groups))), strict=True))
         self._step = 0
         self._answers: dict[str, _Answer] = {}
+        self._memo: dict[str, _Answer | None] = {}  # this step's answer per request
         self._probe: dict[bytes, tuple[LookupResult, int]] = {}  # fallback: key -> (st, step)
         self._probe_wanted: set[bytes] = set()
         self._release: list[bytes] = []
@@ -148,6 +150,7 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._loading.clear()
         self._known.clear()
         self._answers.clear()
+        self._memo.clear()
         self._probe.clear()
 
     def _remember(self, keys: Iterable[bytes]) -> None:
@@ -172,11 +175,15 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         # The daemon's probe covers vLLM's scan for any local prefix up to its boundary.
         return ans.step == self._step and ans.local_tokens <= info.local_tokens <= ans.boundary
 
-    def _answer_for(self, ctx: ReqContext) -> _Answer | None:
+    def _answer_for(self, ctx: ReqContext) -> _Answer | None | object:
+        """The request's answer; None when offline; _NO_INFO without vLLM's request state."""
         info = self.requests.get(ctx.req_id) if self.requests else None
         if info is None:
-            return None
+            return _NO_INFO
         ans = self._answers.get(ctx.req_id)
+        if ans is not None and ans.parked is not None and not ans.pending.isdisjoint(
+                self._commit_ok):
+            self._flush_commits()  # it waits for keys we finished writing: unparks it
         if self._usable(ans, info):
             return ans
         if not self.link.online():
@@ -197,6 +204,7 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return self._answers.get(ctx.req_id)
 
     def _install(self, query: p.LookupQuery, a: p.LookupAnswer) -> None:
+        self._memo.pop(query.req_id, None)
         old = self._answers.pop(query.req_id, None)
         if old is not None:
             self._release.extend(old.pins)
@@ -213,10 +221,16 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._answers[query.req_id] = ans
 
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
-        ans = self._answer_for(req_context)
-        if ans is not None:
+        # vLLM calls this once per key (hundreds per request): after the first call of a
+        # step, answer from the memo without touching vLLM's request state again.
+        ans = self._memo.get(req_context.req_id, _NO_INFO)
+        if ans is _NO_INFO:
+            ans = self._answer_for(req_context)
+            if ans is None or isinstance(ans, _Answer):
+                self._memo[req_context.req_id] = ans
+        if isinstance(ans, _Answer):
             return ans.status(key)
-        if self.requests is not None and self.requests.get(req_context.req_id) is not None:
+        if ans is None:
             return LookupResult.MISS  # offline
         # Fallback without request data: answer from recent probes, ask for the rest at the
         # end of the step (RETRY keeps vLLM scanning, so one step collects many keys).
@@ -344,11 +358,12 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def _unpark(self, committed: set[bytes]) -> None:
         """A request waiting for keys this engine just committed can ask again at once."""
-        for ans in self._answers.values():
+        for req_id, ans in self._answers.items():
             if ans.parked is not None and not ans.pending.isdisjoint(committed):
                 ans.parked.cancel()
                 ans.parked = None
                 ans.step = -1
+                self._memo.pop(req_id, None)
 
     def _flush_releases(self) -> None:
         if self._release:
@@ -391,6 +406,7 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         else:
             self._store_batch.clear()
         self._flush_probes()
+        self._memo.clear()
         self._step += 1
 
     def has_pending_work(self) -> bool:

@@ -1,0 +1,262 @@
+"""Our side of the hybrid-chat simulation: a simulated engine over the daemon, plus the shared
+bits (store policy, per-variant totals, an embedded daemon) the suites use.
+
+The engine does what bench/demo.py's does, minus the bytes (slots are granted and committed,
+nothing is copied: this measures cache decisions, the demo and the copy suite verify bytes):
+one pinned ``Lookup`` per request, an optional cost-aware load decision (bench/cost.py), the
+load's pins released, then a ``PrepareStore`` of every complete chunk of every group over the
+tokens computed (prompt and reply, REQUEST_LEVEL-like: the daemon answers EXISTS for what it
+holds) plus the partial tails at the prompt's end and the turn's end, and a ``CommitStore``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvoffload.bench.cost import TailCost, TimeModel
+from kvoffload.bench.workload import Turn, block_hashes
+from kvoffload.connector.client import DaemonClient
+from kvoffload.daemon import protocol as p
+from kvoffload.daemon.types import Geometry, make_key
+
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------------------ store policy
+
+
+def tail_boundaries(n_prompt: int, n_computed: int, tokens_per_hash: int,
+                    block: int) -> list[int]:
+    """Where a state snapshot exists inside a block: the prefill's end (vLLM's checkpoint,
+    ``round_down(n - 1, tokens_per_hash)``) and the turn's end (hash-aligned)."""
+    ends = {(n_prompt - 1) // tokens_per_hash * tokens_per_hash,
+            n_computed // tokens_per_hash * tokens_per_hash}
+    return sorted(b for b in ends if b > 0 and b % block)
+
+
+def store_items(geometry: Geometry, hashes: Sequence[bytes], n_prompt: int, *,
+                tails: bool = True, admit: Callable[[int], bool] | None = None) -> list[p.StoreItem]:
+    """Every complete chunk of every group covered by ``hashes`` (the computed tokens), then
+    the tails (``admit`` may refuse a boundary: cost-aware admission)."""
+    tph = geometry.tokens_per_hash
+    n_computed = len(hashes) * tph
+    items: list[p.StoreItem] = []
+    for gi, grp in enumerate(geometry.groups):
+        chunk = grp.tokens_per_block * geometry.blocks_per_chunk
+        items += [p.StoreItem(key=make_key(hashes[end // tph - 1], gi), end_token=end)
+                  for end in range(chunk, n_computed + 1, chunk)]
+    if tails:
+        block = geometry.groups[0].tokens_per_block
+        for b in tail_boundaries(n_prompt, n_computed, tph, block):
+            if admit is None or admit(b):
+                items += [p.StoreItem(key=make_key(hashes[b // tph - 1], gi), end_token=b,
+                                      tail=True) for gi in range(len(geometry.groups))]
+    return items
+
+
+# ------------------------------------------------------------------------------ totals
+
+
+@dataclass
+class TurnRecord:
+    prompt_tokens: int
+    hit_tokens: int
+    chunk_tokens: int
+    loaded_bytes: int
+    stored_keys: int = 0
+    stored_bytes: int = 0
+    evicted: int = 0
+    lookup_calls: int = 0
+    round_trips: int = 0
+    tail_declined: bool = False  # a tail hit that did not pay, loaded as its chunk hit
+
+
+@dataclass
+class Totals:
+    """What workloads.md asks a run to report, for one variant."""
+
+    model: TimeModel = field(default_factory=TimeModel)
+    turns: list[TurnRecord] = field(default_factory=list)
+
+    def add(self, rec: TurnRecord) -> None:
+        self.turns.append(rec)
+
+    def ttfts_ms(self) -> list[float]:
+        return [1000 * self.model.ttft(t.prompt_tokens - t.hit_tokens, t.loaded_bytes)
+                for t in self.turns]
+
+    def summary(self) -> dict[str, Any]:
+        t = self.turns
+        n = max(1, len(t))
+        ttft = sorted(self.ttfts_ms()) or [0.0]
+        prompt = sum(x.prompt_tokens for x in t)
+        hit = sum(x.hit_tokens for x in t)
+        chunk = sum(x.chunk_tokens for x in t)
+        return {
+            "requests": len(t), "prompt_tokens": prompt, "served_tokens": hit,
+            "served_chunk_tokens": chunk, "served_tail_tokens": hit - chunk,
+            "recomputed_tokens": prompt - hit, "served_share": round(hit / max(1, prompt), 4),
+            "bytes_stored": sum(x.stored_bytes for x in t),
+            "bytes_loaded": sum(x.loaded_bytes for x in t),
+            "keys_stored": sum(x.stored_keys for x in t),
+            "evictions": sum(x.evicted for x in t),
+            "tails_declined": sum(x.tail_declined for x in t),
+            "lookup_calls_per_request": round(sum(x.lookup_calls for x in t) / n, 2),
+            "round_trips_per_request": round(sum(x.round_trips for x in t) / n, 2),
+            "ttft_ms_mean": round(statistics.fmean(ttft), 3),
+            "ttft_ms_p50": round(percentile(ttft, 50), 3),
+            "ttft_ms_p99": round(percentile(ttft, 99), 3),
+        }
+
+
+def percentile(sorted_values: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
+    if not sorted_values:
+        return 0.0
+    k = max(0, min(len(sorted_values) - 1, round(pct / 100 * (len(sorted_values) - 1))))
+    return float(sorted_values[k])
+
+
+# ------------------------------------------------------------------------------ our engine
+
+
+class OursEngine:
+    """A simulated engine over the daemon (see the module docstring).
+
+    ``cost`` carries the full-size geometry (for bytes) and the time model; ``cost_aware``
+    turns on tail admission and the load decision; ``tails=False`` is "complete chunks only".
+    """
+
+    def __init__(self, client: DaemonClient, geometry: Geometry, cost: TailCost, *,
+                 tails: bool = True, cost_aware: bool = False) -> None:
+        self.client = client
+        self.geometry = geometry
+        self.cost = cost
+        self.tails = tails
+        self.cost_aware = cost_aware
+        self.totals = Totals(cost.model)
+        self._n = 0
+
+    def run_turn(self, turn: Turn) -> TurnRecord:
+        g, client, cost = self.geometry, self.client, self.cost
+        tph = g.tokens_per_hash
+        n = len(turn.prompt)
+        trips = client.round_trips
+        # One chain for prompt and reply: the prompt's hashes are its prefix. The last reply
+        # token is sampled, never computed, so it is not part of the computed tokens.
+        hashes = block_hashes(turn.prompt + turn.reply[:-1], tph)
+        prompt_hashes = hashes[:n // tph]
+        self._n += 1
+        query = p.LookupQuery(req_id=str(self._n), block_hashes=prompt_hashes, num_tokens=n,
+                              num_prompt_tokens=n)
+        ans = client.lookup([query], pin=True)[0]
+        hit, chunk, keys = ans.hit_tokens or 0, ans.chunk_tokens, list(ans.load_keys)
+        declined = False
+        if (self.cost_aware and ans.tail_boundary is not None
+                and not cost.load_tail(prompt_hashes, 0, chunk, hit, ans.tail_boundary)):
+            declined = True
+            hit = chunk
+            keys = cost.plan.load_keys(prompt_hashes, 0, chunk, None) if chunk else []
+            # The chunk-only hit's recurrent states were hits of this lookup, not pinned.
+            extra = [k for k in keys if k not in set(ans.load_keys)]
+            if extra:
+                client.pin_load(extra)
+            if ans.load_keys or extra:
+                client.complete_load(list(ans.load_keys) + extra)
+        elif ans.load_keys:
+            client.complete_load(ans.load_keys)  # "copied": release the pins
+        rec = TurnRecord(n, hit, min(chunk, hit) if hit else 0, cost.load_bytes(keys),
+                         lookup_calls=1, tail_declined=declined)
+        admit = cost.admit_tail if self.cost_aware else None
+        items = store_items(g, hashes, n, tails=self.tails, admit=admit)
+        grant = client.prepare_store(items)
+        written = [it.key for it, o in zip(items, grant.outcomes, strict=True)
+                   if o == p.StoreOutcome.GRANTED]
+        if written:
+            client.commit_store(written)
+        rec.stored_keys = len(written)
+        rec.stored_bytes = cost.load_bytes(written)
+        rec.evicted = len(grant.evicted)
+        rec.round_trips = client.round_trips - trips
+        self.totals.add(rec)
+        return rec
+
+
+# ------------------------------------------------------------------------------ daemon
+
+
+class EmbeddedDaemon:
+    """A daemon (``Server``) on its own event loop in a background thread of this process.
+
+    ``call(fn)`` runs ``fn(server)`` on the daemon's loop thread (for cheap index fills)."""
+
+    _count = 0
+
+    def __init__(self, pool_bytes: int, *, slot_bytes: int = 0, policy: str = "lru",
+                 prefault: bool = True) -> None:
+        EmbeddedDaemon._count += 1
+        self._tmp = tempfile.mkdtemp(prefix="kvo-bench-")
+        self.pool_path = f"/dev/shm/kvoffload-bench-{os.getpid()}-{EmbeddedDaemon._count}"
+        self._kwargs = dict(control=f"ipc://{self._tmp}/control.sock", http="127.0.0.1:0",
+                            pool_path=self.pool_path, pool_bytes=pool_bytes,
+                            slot_bytes=slot_bytes, policy=policy, prefault=prefault,
+                            lease_ms=600_000, max_message_bytes=256 << 20)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.server: Any = None
+        self.endpoint = ""
+
+    def __enter__(self) -> EmbeddedDaemon:
+        from kvoffload.daemon.config import Config
+        from kvoffload.daemon.server import Server
+
+        try:
+            import uvloop
+
+            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover
+            loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._thread = threading.Thread(target=loop.run_forever, name="kvoffload-daemon",
+                                        daemon=True)
+        self._thread.start()
+
+        async def start() -> None:
+            self.server = Server(Config(**self._kwargs))  # type: ignore[arg-type]
+            await self.server.start()
+
+        asyncio.run_coroutine_threadsafe(start(), loop).result(60)
+        self.endpoint = self.server.control_endpoint
+        return self
+
+    def call(self, fn: Callable[[Any], T], timeout: float = 600) -> T:
+        assert self._loop is not None
+
+        async def run() -> T:
+            return fn(self.server)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
+
+    def client(self, name: str = "kvoffload bench") -> DaemonClient:
+        return DaemonClient(self.endpoint, timeout_ms=60_000, name=name)
+
+    def __exit__(self, *exc: object) -> None:
+        loop = self._loop
+        if loop is not None:
+            if self.server is not None:
+                asyncio.run_coroutine_threadsafe(self.server.shutdown(), loop).result(30)
+            loop.call_soon_threadsafe(loop.stop)
+            if self._thread is not None:
+                self._thread.join(10)
+            loop.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        if os.path.exists(self.pool_path):
+            os.unlink(self.pool_path)
