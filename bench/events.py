@@ -16,6 +16,7 @@ Run: `python -m kvoffload.bench.events [--full]`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing as mp
 import os
 import statistics
@@ -192,14 +193,22 @@ def run_events_bench(
             ours: list[float] = []
             theirs: list[float] = []
             lost = {"ours": 0, "vllm": 0}
-            for _ in range(rounds):  # alternate, so drift hits both alike
-                r = _round_ours(parent, ep, ours_b, per)
-                ours.append(r["events"] / r["seconds"])
-                lost["ours"] += n * per - r["events"]
-                if have_vllm:
-                    r = _round_vllm(parent, ep, vllm_b, per)
-                    theirs.append(r["events"] / r["seconds"])
-                    lost["vllm"] += n * per - r["events"]
+            # Everything built so far (vLLM's import, the batches) would otherwise be scanned
+            # by full GC passes inside whichever timed round comes first.
+            gc.collect()
+            gc.freeze()
+            for r_idx in range(rounds):  # alternate the order, so drift hits both alike
+                order = ("ours", "vllm") if r_idx % 2 == 0 else ("vllm", "ours")
+                for who in order:
+                    if who == "ours":
+                        r = _round_ours(parent, ep, ours_b, per)
+                        ours.append(r["events"] / r["seconds"])
+                        lost["ours"] += n * per - r["events"]
+                    elif have_vllm:
+                        r = _round_vllm(parent, ep, vllm_b, per)
+                        theirs.append(r["events"] / r["seconds"])
+                        lost["vllm"] += n * per - r["events"]
+            gc.unfreeze()
             suffix = "" if per == 1 else f"_{per}"
             mine = statistics.median(ours)
             base = statistics.median(theirs) if theirs else None

@@ -12,6 +12,7 @@ calls may be in flight at once; replies are matched to calls by ``rid``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -201,7 +202,14 @@ class DaemonClient:
         return _expect(self.call(p.Stats(rid=self.rid())), p.StatsReply).stats
 
     def close(self) -> None:
+        """Say goodbye (best effort, never waits) so the daemon releases our pins now."""
         with self._lock:
+            if self._sock is not None and self.welcome is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.send(p.encoder.encode(p.Bye(rid=self.rid())), zmq.NOBLOCK)
+                # A moment of linger so the goodbye leaves before the socket closes.
+                self._sock.close(linger=100)
+                self._sock = None
             self._reset_socket()
 
 

@@ -26,7 +26,7 @@ class DaemonMetrics:
                                        "Requests answered with a typed error, by code.",
                                        ["code"], registry=r)
         self.lookups = Counter("kvoffload_lookups_total",
-                               "Request lookups by outcome (hit, partial, miss, deferred).",
+                               "Request lookups by outcome (chunk, tail, miss, deferred).",
                                ["outcome"], registry=r)
         self.lookup_misses = Counter("kvoffload_lookup_misses_total",
                                      "Lookups that found nothing, by reason.", ["reason"],
@@ -69,3 +69,18 @@ class DaemonMetrics:
                                      registry=r)
         self.engines = Gauge("kvoffload_namespaces", "Registered engine namespaces.",
                              registry=r)
+        # Start every bounded label at 0 so rate() sees the first increment.
+        for outcome in ("chunk", "tail", "miss", "deferred"):
+            self.lookups.labels(outcome)
+        for reason in ("not_stored", "evicted", "group_missing", "pending", "too_short"):
+            self.lookup_misses.labels(reason)
+        for kind in ("requested", "hit", "chunk_hit", "tail_hit"):
+            self.lookup_tokens.labels(kind)
+        for outcome in ("granted", "exists", "no_space", "too_big", "committed", "aborted",
+                        "expired"):
+            self.stores.labels(outcome)
+        for outcome in ("pinned", "missing", "completed"):
+            self.loads.labels(outcome)
+        for code in ("malformed", "unsupported_version", "not_registered", "geometry_mismatch",
+                     "bad_request", "too_large", "shutting_down", "internal"):
+            self.protocol_errors.labels(code)

@@ -130,6 +130,10 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
+class Bye(_Msg, tag="bye"):
+    """A clean goodbye: the daemon releases the client's pins and pending stores at once."""
+
+
 class Reset(_Msg, tag="reset"):
     """Drop every ready, unpinned block of one engine's namespace."""
 
@@ -149,6 +153,7 @@ Request = (
     | Heartbeat
     | Stats
     | Reset
+    | Bye
 )
 
 # ------------------------------------------------------------------------------- replies

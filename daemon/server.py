@@ -125,6 +125,7 @@ class Server:
         self._bind()
         await self.events.start()
         await self.http.start()
+        self.service.http_url = self.http.url
         loop = asyncio.get_running_loop()
         self._loops = [loop.create_task(self._serve_control()),
                        loop.create_task(self._sweep_leases())]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -77,12 +78,17 @@ class Service:
         self.daemon_id = uuid.uuid4().hex
         self.draining = False
         self._pending_owner: dict[int, ClientState] = {}
+        self.totals: Counter[str] = Counter()  # lifetime counters for the Stats reply
+        self.http_url = ""
+        index.on_ready.append(self._block_added)
+        index.on_drop.append(self._block_removed)
         self.handlers: dict[type, Callable[[ClientState, Any], Any]] = {
             p.Hello: self.hello, p.Register: self.register, p.Lookup: self.lookup,
             p.Probe: self.probe, p.PrepareStore: self.prepare_store,
             p.CommitStore: self.commit_store, p.PinLoad: self.pin_load,
             p.CompleteLoad: self.complete_load, p.Touch: self.touch,
             p.Heartbeat: self.heartbeat, p.Stats: self.stats, p.Reset: self.reset,
+            p.Bye: self.bye,
         }
 
     # -- dispatch ---------------------------------------------------------------------
@@ -90,7 +96,8 @@ class Service:
     def handle(self, identity: bytes, msg: p._Msg) -> p._Msg | Awaitable[p._Msg]:
         """Answer one decoded request; raises RequestError for a typed error reply."""
         self.metrics.requests.labels(type(msg).__name__.lower()).inc()
-        if self.draining and not isinstance(msg, (p.CommitStore, p.CompleteLoad, p.Heartbeat)):
+        if self.draining and not isinstance(msg, (p.CommitStore, p.CompleteLoad, p.Heartbeat,
+                                                  p.Bye)):
             raise RequestError(p.ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         client = self.leases.seen(identity)
         if client is None:
@@ -156,6 +163,23 @@ class Service:
     def heartbeat(self, client: ClientState, msg: p.Heartbeat) -> p.Ack:
         return p.Ack(rid=msg.rid)
 
+    def bye(self, client: ClientState, msg: p.Bye) -> p.Ack:
+        """A clean goodbye: release what the client holds now, not after its lease."""
+        pending = len(client.pending)
+        released = self._release_client(client)
+        self.metrics.stores.labels("aborted").inc(pending)
+        self.leases.clients.pop(client.identity, None)
+        self.metrics.clients.set(len(self.leases))
+        return p.Ack(rid=msg.rid, count=released)
+
+    def _block_added(self, ns: Namespace, key: bytes, slot: int) -> None:
+        kind = ns.geometry.groups[key_group(key)].kind.value
+        self.metrics.blocks.labels(kind, "cpu").inc()
+
+    def _block_removed(self, ns: Namespace, key: bytes, slot: int) -> None:
+        kind = ns.geometry.groups[key_group(key)].kind.value
+        self.metrics.blocks.labels(kind, "cpu").dec()
+
     # -- lookups ----------------------------------------------------------------------
 
     def _validate_query(self, ns: Namespace, q: p.LookupQuery) -> None:
@@ -205,7 +229,10 @@ class Service:
                 if pin:
                     self.index.pin(slot)
                     client.pins[slot] += 1
-            if not pin:
+            if pin:
+                self.metrics.loads.labels("pinned").inc(len(slots))
+                self.metrics.loaded_bytes.inc(len(slots) * self.index.pool.slot_bytes)
+            else:
                 slots = []
         answer = p.LookupAnswer(req_id=q.req_id, hit_tokens=out.hit_tokens,
                                 chunk_tokens=out.chunk_tokens, tail_boundary=out.tail_boundary,
@@ -225,6 +252,13 @@ class Service:
     def _report(self, ns: Namespace, q: p.LookupQuery, a: p.LookupAnswer) -> None:
         """Count one final answer and publish its lookup event."""
         self.events.lookup(ns, q, a)
+        t = self.totals
+        t["lookups_total"] += 1
+        t["requested_tokens_total"] += q.num_prompt_tokens - q.local_tokens
+        if a.hit_tokens:
+            t["hit_tokens_total"] += a.hit_tokens
+            t["chunk_hit_tokens_total"] += a.chunk_tokens
+            t["tail_hit_tokens_total"] += a.hit_tokens - a.chunk_tokens
         m = self.metrics
         m.lookup_tokens.labels("requested").inc(q.num_prompt_tokens - q.local_tokens)
         if a.hit_tokens is None:
@@ -406,23 +440,35 @@ class Service:
         """Release what clients whose lease ran out still hold; returns how many expired."""
         gone = self.leases.expired()
         for client in gone:
-            for slot, n in client.pins.items():
-                for _ in range(n):
-                    self.index.unpin(slot)
-                self.metrics.pins_released.inc(n)
-            for slot in list(client.pending):
-                key = self.index.slot_key[slot]
-                if key is not None and self.index.state[slot] == SlotState.PENDING:
-                    self.index.abort(self.index.namespaces[self.index.ns_of[slot]], key)
-                    self.metrics.stores.labels("expired").inc()
-                self._pending_owner.pop(slot, None)
-            log.info("lease of client %r expired: released %d pins, %d pending stores",
-                     client.name, sum(client.pins.values()), len(client.pending))
+            pins, pending = sum(client.pins.values()), len(client.pending)
+            self.metrics.pins_released.inc(pins)
+            self.metrics.stores.labels("expired").inc(self._release_client(client) - pins)
+            if pins or pending:
+                log.info("lease of client %r expired: released %d pins, %d pending stores",
+                         client.name, pins, pending)
         if gone:
             self.metrics.leases_expired.inc(len(gone))
             self.metrics.clients.set(len(self.leases))
             self._update_pool_gauges()
         return len(gone)
+
+    def _release_client(self, client: ClientState) -> int:
+        """Drop a departing client's pins and abort its pending stores; returns how many."""
+        released = 0
+        for slot, n in client.pins.items():
+            for _ in range(n):
+                self.index.unpin(slot)
+            released += n
+        client.pins.clear()
+        for slot in list(client.pending):
+            key = self.index.slot_key[slot]
+            if key is not None and self.index.state[slot] == SlotState.PENDING:
+                self.index.abort(self.index.namespaces[self.index.ns_of[slot]], key)
+                released += 1
+            self._pending_owner.pop(slot, None)
+        client.pending.clear()
+        self._update_pool_gauges()
+        return released
 
     def _update_pool_gauges(self) -> None:
         idx, pool, m = self.index, self.index.pool, self.metrics
@@ -444,5 +490,6 @@ class Service:
             "namespaces": len(idx.namespaces), "num_slots": pool.num_slots,
             "slot_bytes": pool.slot_bytes, "free_slots": pool.free_slots,
             "ready": idx.count(SlotState.READY), "pending": idx.count(SlotState.PENDING),
-            "pinned": idx.n_pinned, "policy": idx.policy.name,
+            "pinned": idx.n_pinned, "policy": idx.policy.name, "http": self.http_url,
+            **self.totals,
         })

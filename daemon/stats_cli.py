@@ -110,7 +110,7 @@ def summarize(control: dict[str, Any] | None, samples: Samples | None) -> dict[s
     c = control or {}
     have_m = samples is not None
 
-    def gauge(name: str, **labels: str) -> float | None:
+    def value(name: str, **labels: str) -> float | None:  # summed over matching samples
         return _total(m, name, **labels) if have_m else None
 
     slot_bytes: int | None = c.get("slot_bytes")
@@ -119,27 +119,27 @@ def summarize(control: dict[str, Any] | None, samples: Samples | None) -> dict[s
     used = None
     if ready is not None and pending is not None and slot_bytes is not None:
         used = (ready + pending) * slot_bytes  # what the daemon's used-bytes gauge counts
-    requested = gauge("kvoffload_lookup_tokens_total", kind="requested")
-    hit = gauge("kvoffload_lookup_tokens_total", kind="hit")
-    chunk = gauge("kvoffload_lookup_tokens_total", kind="chunk_hit")
-    tail = gauge("kvoffload_lookup_tokens_total", kind="tail_hit")
+    requested = value("kvoffload_lookup_tokens_total", kind="requested")
+    hit = value("kvoffload_lookup_tokens_total", kind="hit")
+    chunk = value("kvoffload_lookup_tokens_total", kind="chunk_hit")
+    tail = value("kvoffload_lookup_tokens_total", kind="tail_hit")
     out: dict[str, Any] = {
         "daemon_id": c.get("daemon_id"),
         "policy": c.get("policy"),
-        "clients": c["clients"] if control else _int(gauge("kvoffload_clients_connected")),
-        "namespaces": c["namespaces"] if control else _int(gauge("kvoffload_namespaces")),
-        "blocks_resident": ready if control else _int(gauge("kvoffload_pool_slots",
+        "clients": c["clients"] if control else _int(value("kvoffload_clients_connected")),
+        "namespaces": c["namespaces"] if control else _int(value("kvoffload_namespaces")),
+        "blocks_resident": ready if control else _int(value("kvoffload_pool_slots",
                                                             state="ready")),
-        "blocks_pending": pending if control else _int(gauge("kvoffload_pool_slots",
+        "blocks_pending": pending if control else _int(value("kvoffload_pool_slots",
                                                              state="pending")),
-        "pinned_slots": c["pinned"] if control else _int(gauge("kvoffload_pinned_slots")),
-        "num_slots": c["num_slots"] if control else _int(gauge("kvoffload_pool_slots",
+        "pinned_slots": c["pinned"] if control else _int(value("kvoffload_pinned_slots")),
+        "num_slots": c["num_slots"] if control else _int(value("kvoffload_pool_slots",
                                                                state="total")),
         "slot_bytes": slot_bytes,
-        "bytes_used": used if control else _int(gauge("kvoffload_pool_bytes", state="used")),
-        "bytes_total": c["pool_bytes"] if control else _int(gauge("kvoffload_pool_bytes",
+        "bytes_used": used if control else _int(value("kvoffload_pool_bytes", state="used")),
+        "bytes_total": c["pool_bytes"] if control else _int(value("kvoffload_pool_bytes",
                                                                   state="total")),
-        "lookup_requests_total": _int(gauge("kvoffload_lookups_total")),
+        "lookup_requests_total": _int(value("kvoffload_lookups_total")),
         "lookups_by_outcome": {k: int(v) for k, v in
                                _by(m, "kvoffload_lookups_total", "outcome").items()}
         if have_m else None,
@@ -156,8 +156,8 @@ def summarize(control: dict[str, Any] | None, samples: Samples | None) -> dict[s
         "stores_by_outcome": {k: int(v) for k, v in
                               _by(m, "kvoffload_stores_total", "outcome").items()}
         if have_m else None,
-        "evictions_total": _int(gauge("kvoffload_evictions_total")),
-        "leases_expired_total": _int(gauge("kvoffload_leases_expired_total")),
+        "evictions_total": _int(value("kvoffload_evictions_total")),
+        "leases_expired_total": _int(value("kvoffload_leases_expired_total")),
         "protocol_errors": {k: int(v) for k, v in
                             _by(m, "kvoffload_protocol_errors_total", "code").items()}
         if have_m else None,

@@ -100,41 +100,48 @@ class EventPublisher:
         self._m_batches = m.published_batches.labels(stream)
         self._m_events = m.published_events.labels(stream)
         self._m_dropped = m.dropped_batches
+        for reason in ("queue_full", "closed", "invalid", "encode_error", "send_error"):
+            m.dropped_batches.labels(stream, reason)  # series exist at 0 for rate()
         self._m_replay_requests = m.replay_requests.labels(stream)
         self._m_replayed = m.replayed_batches.labels(stream)
         self._stream = stream
 
         self._pub: zmq.Socket[Any] = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, hwm)
-        self._endpoint = endpoint
-        if is_bind_endpoint(endpoint):
-            self._pub.bind(endpoint)
-            self._endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        else:
-            self._pub.connect(endpoint)
-
-        # The replay ROUTER is owned by a zmq.asyncio socket (to await requests); sends go
-        # through a non-owning plain shadow of it, which needs no future per message.
-        self._arouter: zmq.asyncio.Socket | None = None
         # zmq.Socket.send only adds DRAFT routing_id/group handling on top of the compiled
         # backend method; calling the backend directly saves a Python frame per frame sent.
         raw_send = getattr(zmq.backend.Socket, "send", None)
         self._send: Callable[[bytes, int], Any] = (
             raw_send.__get__(self._pub) if raw_send is not None else self._pub.send
         )
-
+        # The replay ROUTER is owned by a zmq.asyncio socket (to await requests); sends go
+        # through a non-owning plain shadow of it, which needs no future per message.
+        self._arouter: zmq.asyncio.Socket | None = None
         self._router: zmq.Socket[Any] | None = None
+        self._endpoint = endpoint
         self._replay_endpoint: str | None = None
-        if replay_endpoint is not None:
-            actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
-            self._arouter = actx.socket(zmq.ROUTER)
-            self._router = zmq.Socket.shadow(self._arouter.underlying)
-            # Room for a whole replay plus its end marker even when the client reads slowly
-            # (ZMQ acknowledges reads lazily, so the sender may see up to HWM/2 stale slots).
-            self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_batches + 1))
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(replay_endpoint)
-            self._replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            if is_bind_endpoint(endpoint):
+                self._pub.bind(endpoint)
+                self._endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._pub.connect(endpoint)
+            if replay_endpoint is not None:
+                actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
+                self._arouter = actx.socket(zmq.ROUTER)
+                self._router = zmq.Socket.shadow(self._arouter.underlying)
+                # Room for a whole replay plus its end marker even when the client reads
+                # slowly (ZMQ acknowledges reads lazily: the sender may see HWM/2 stale slots).
+                self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_batches + 1))
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.bind(replay_endpoint)
+                self._replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            # e.g. address in use: do not leave a bound PUB behind
+            self._pub.close(linger=0)
+            if self._arouter is not None:
+                self._arouter.close(linger=0)
+            raise
 
     # -- properties --------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ Consumers iterate it and get, in seq order, `Received` items plus notices:
   (counted in metrics only): the consumer just sees the batches, flagged `replayed=True`.
 * `Reset(expected, seq)`: the publisher restarted (its seq went backwards). Everything the
   consumer derived from the old stream is stale. The new stream's batches follow, fetched from
-  seq 0 by replay when possible.
+  seq 0 by replay when possible. Limit: a restarted publisher whose seq already passed the old
+  one before the SUB reconnected looks like a gap, not a reset (the wire carries no epoch).
 
 Design notes (why):
 * The hot path is a non-blocking `recv` on a plain socket; only when nothing is queued do we
@@ -138,6 +139,13 @@ class _Subscriber(Generic[B]):
         self._m_malformed = m.malformed
 
     # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def bound_endpoint(self) -> str:
+        """The SUB endpoint; with `bind=True`, as bound (real port for `tcp://host:*`)."""
+        if self._bind and self._sub is not None:
+            return self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self._endpoint
 
     @property
     def next_seq(self) -> int | None:
@@ -345,6 +353,10 @@ class _Subscriber(Generic[B]):
         except asyncio.CancelledError:
             self._new_dealer()  # replies to this request must not reach the next one
             raise
+        except zmq.ZMQError as exc:  # e.g. a bad endpoint: a replay failure is never fatal
+            log.warning("stream %s: replay from %d failed: %s", self._stream, start, exc)
+            if not self._closed:
+                self._new_dealer()
         except TimeoutError:
             log.warning(
                 "stream %s: replay from %d timed out after %.1fs (%d batches received)",

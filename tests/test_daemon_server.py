@@ -133,8 +133,8 @@ def test_pins_block_eviction_and_dead_client_pins_expire(tmp_path) -> None:
         assert refused.outcomes == [p.StoreOutcome.GRANTED]  # evicts H1@0, not the pinned H3
         assert other.probe([make_key(H[3], 0), make_key(H[3], 1)]) == [KeyStatus.HIT] * 2
         other.commit_store([make_key(H[2], 0)])
-        # The holder dies without completing its load: after its lease its pins go.
-        holder.close()
+        # The holder dies (no goodbye) without completing its load: after its lease its pins go.
+        holder._reset_socket()
         deadline = time.monotonic() + 10
         while other.stats()["pinned"] and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -191,7 +191,7 @@ def test_dead_writer_pending_store_is_released_after_lease(tmp_path) -> None:
         grant = writer.prepare_store([p.StoreItem(key=make_key(H[i], 0), end_token=4)
                                       for i in range(2)])
         assert grant.outcomes == [p.StoreOutcome.GRANTED] * 2
-        writer.close()  # dies mid-store: never commits
+        writer._reset_socket()  # dies mid-store (no goodbye): never commits
         other = DaemonClient(d.control, timeout_ms=5000, lease_ms=5000)
         other.register(EXAMPLE)
         assert other.probe([make_key(H[0], 0)]) == [KeyStatus.HIT_PENDING]
@@ -204,4 +204,24 @@ def test_dead_writer_pending_store_is_released_after_lease(tmp_path) -> None:
                                      for g in (0, 1)])
         assert again.outcomes == [p.StoreOutcome.GRANTED] * 2 and again.evicted == []
         assert other.stats()["policy"] == "arc"
+        other.close()
+
+
+def test_goodbye_releases_pins_and_pending_at_once(tmp_path) -> None:
+    with run_daemon(tmp_path, "--lease-ms", "60000") as d:
+        c = DaemonClient(d.control, timeout_ms=5000)
+        c.register(EXAMPLE)
+        store(c, [make_key(H[3], 0), make_key(H[3], 1)])
+        assert c.lookup([query()], pin=True)[0].slots
+        c.prepare_store([p.StoreItem(key=make_key(H[0], 0), end_token=4)])
+        other = DaemonClient(d.control, timeout_ms=5000)
+        other.register(EXAMPLE)
+        assert other.stats()["pinned"] == 2 and other.stats()["pending"] == 1
+        c.close()  # sends Bye: no waiting for a 60 s lease
+        deadline = time.monotonic() + 5
+        while other.stats()["pinned"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = other.stats()
+        assert (stats["pinned"], stats["pending"], stats["clients"]) == (0, 0, 1)
+        assert stats["lookups_total"] == 1 and stats["hit_tokens_total"] == 16
         other.close()

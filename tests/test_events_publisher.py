@@ -321,3 +321,31 @@ def test_bench_reports_missing_baseline(monkeypatch: pytest.MonkeyPatch) -> None
     assert res["baseline"] == "unavailable: forced by test"
     assert res["ratio"] is None and res["vllm_events_per_s"] is None and res["meets"] is False
     assert res["ours_events_per_s"] > 0 and res["lost_events"]["ours"] == 0
+
+
+async def test_address_in_use_raises_and_releases(registry: CollectorRegistry) -> None:
+    first = EventPublisher("tcp://127.0.0.1:*", registry=registry)
+    taken = first.bound_endpoint
+    probe = zmq.Context.instance().socket(zmq.PUB)
+    probe.bind("tcp://127.0.0.1:*")
+    port = probe.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+    probe.close(linger=0)
+    mine = f"tcp://*:{port}"
+    try:
+        with pytest.raises(zmq.ZMQError):
+            EventPublisher(mine, taken, registry=registry)  # its replay address is taken
+    finally:
+        await first.aclose()
+    # The failed publisher's PUB was closed: its port can be bound again (release is async).
+    sock = zmq.Context.instance().socket(zmq.PUB)
+    try:
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                sock.bind(mine)
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline, "port never released"
+                await asyncio.sleep(0.01)
+    finally:
+        sock.close(linger=0)

@@ -22,9 +22,18 @@ from kvoffload.events.subscriber import (
 from prometheus_client import CollectorRegistry
 
 try:
-    from tests.events_helpers import batch, ipc_endpoints, prime, sample, take, wait_until
+    from tests.events_helpers import (
+        arecv,
+        batch,
+        ipc_endpoints,
+        prime,
+        sample,
+        take,
+        wait_until,
+    )
 except ImportError:  # tests/ is not a package: pytest put it on sys.path
     from events_helpers import (  # type: ignore[no-redef]
+        arecv,
         batch,
         ipc_endpoints,
         prime,
@@ -312,3 +321,50 @@ async def test_lookup_stream_round_trip(
             item = await sub.recv(5)
         assert isinstance(item, Received) and isinstance(item.batch, LookupEventBatch)
         assert item.batch.events == [ev]
+
+
+async def test_bind_mode_for_connecting_publishers(registry: CollectorRegistry) -> None:
+    sub = EventSubscriber("tcp://127.0.0.1:*", bind=True, registry=registry)
+    async with sub:
+        endpoint = sub.bound_endpoint
+        assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith("*")
+        async with EventPublisher(endpoint, registry=registry) as pub:  # no wildcard: connects
+            await prime(pub, sub)
+            pub.publish(batch(3))
+            item = await sub.recv(5)
+            assert isinstance(item, Received) and item.batch == batch(3)
+
+
+async def test_consumer_timeout_does_not_abort_a_replay(
+    ipc: Callable[[str], str], registry: CollectorRegistry
+) -> None:
+    # A replay endpoint the test answers by hand, late: the consumer times out meanwhile.
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(ipc("slow-replay"))
+    withheld: set[int] = set()
+    pub = EventPublisher(ipc("p"), registry=registry, live_filter=lambda s: s not in withheld)
+    sub = EventSubscriber(pub.bound_endpoint, ipc("slow-replay"), registry=registry)
+    try:
+        async with pub, sub:
+            await prime(pub, sub)
+            base = pub.next_seq
+            withheld.add(base + 1)
+            for i in range(3):
+                pub.publish(batch(i))
+            assert await sub.recv(5) == Received(base, batch(0))
+            with pytest.raises(TimeoutError):
+                await sub.recv(0.1)  # base+2 arrived, the replay of base+1 is pending
+            client, empty, start = await arecv(router)
+            assert empty == b"" and int.from_bytes(start, "big") == base + 1
+            router.send_multipart(
+                [client, b"", b"", (base + 1).to_bytes(8, "big"), encode_batch(batch(1))]
+            )
+            router.send_multipart([client, b"", b"", b"\xff" * 8, b""])
+            got = await take(sub, 2)
+            assert got == [
+                Received(base + 1, batch(1), replayed=True),
+                Received(base + 2, batch(2)),
+            ]
+    finally:
+        router.close()

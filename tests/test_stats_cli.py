@@ -29,9 +29,11 @@ def stats(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
     return rc, out, err
 
 
+DemoRun = tuple[DaemonHandle, dict[str, Any]]
+
+
 @pytest.fixture(scope="module")
-def daemon_after_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonHandle,
-                                                                                    dict[str, Any]]]:
+def daemon_after_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
     with run_daemon(tmp_path_factory.mktemp("stats"), pool_bytes=POOL_BYTES) as d:
         out = subprocess.run([sys.executable, "-m", "kvoffload", "demo", "--connect", d.control,
                               "--requests", "40", "--json"],

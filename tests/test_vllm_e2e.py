@@ -30,10 +30,12 @@ def daemon(tmp_path: Path) -> Iterator[DaemonHandle]:
         yield d
 
 
-def engine(control: str, **extra: Any) -> Any:
+def engine(control: str, connector: str = "OffloadingConnector", **extra: Any) -> Any:
     from plugin_engine import MiniEngine
 
-    return MiniEngine(plugin_config(control, kvoffload_copy_async=False, **extra))
+    module = "kvoffload.connector.vllm" if connector == "KVOffloadConnector" else None
+    return MiniEngine(plugin_config(control, kvoffload_copy_async=False, **extra),
+                      connector=connector, connector_module=module)
 
 
 def serve(e: Any, tokens: list[int], req_id: str, max_tokens: int = 4) -> int:
@@ -49,10 +51,11 @@ def fresh_gpu(e: Any) -> None:
     e.scribble()
 
 
-def test_store_then_load_bytes_through_the_pool(daemon: DaemonHandle) -> None:
+@pytest.mark.parametrize("connector", ["OffloadingConnector", "KVOffloadConnector"])
+def test_store_then_load_bytes_through_the_pool(daemon: DaemonHandle, connector: str) -> None:
     from plugin_engine import ROW, state_page, token_row
 
-    e = engine(daemon.control)
+    e = engine(daemon.control, connector)
     prompt = list(range(7, 37))  # 30 tokens
     assert serve(e, prompt, "first") == 30
     manager = e.connector.scheduler.manager
@@ -147,73 +150,101 @@ def test_multi_turn_serves_up_to_the_previous_turn(daemon: DaemonHandle) -> None
     assert chunk_computed == theirs
 
 
-def test_round_trips_per_step_and_no_deferral(daemon: DaemonHandle) -> None:
-    e = engine(daemon.control)
-    manager = e.connector.scheduler.manager
+def baseline() -> Any:
+    """vLLM's own in-process CPUOffloadingManager, same scheduler, same worker timing."""
+    from plugin_engine import MiniEngine
+
+    return MiniEngine({"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 64 << 20},
+                      real_worker=False)
+
+
+def record_lookups(e: Any) -> list[tuple[int, str, Any]]:
+    """Every get_num_new_matched_tokens answer as (step, request, (tokens, is_async))."""
+    calls: list[tuple[int, str, Any]] = []
+    original = e.connector.get_num_new_matched_tokens
+
+    def recording(request: Any, num_computed_tokens: int) -> Any:
+        result = original(request, num_computed_tokens)
+        calls.append((e.steps, request.request_id, result))
+        return result
+
+    e.connector.get_num_new_matched_tokens = recording
+    return calls
+
+
+def hot_requests(e: Any, per_step: list[tuple[int, int]] | None = None) -> list[Any]:
+    """Four stored prompts, GPU cache dropped, then all four again at once."""
     prompts = [list(range(100 * i, 100 * i + 30 + i)) for i in range(1, 5)]
     for i, prompt in enumerate(prompts):
         e.add(prompt, f"warm{i}")
     e.run()
     fresh_gpu(e)
-
-    results: dict[str, list[Any]] = {}
-    original = e.connector.get_num_new_matched_tokens
-
-    def recording(request: Any, num_computed_tokens: int) -> Any:
-        result = original(request, num_computed_tokens)
-        results.setdefault(request.request_id, []).append(result)
-        return result
-
-    e.connector.get_num_new_matched_tokens = recording
+    calls = record_lookups(e)
     for i, prompt in enumerate(prompts):
         e.add(prompt, f"hot{i}")
-    per_step: list[tuple[int, int]] = []
+    manager = e.connector.scheduler.manager
     while e.busy():
+        if per_step is None:
+            e.step()
+            continue
         trips, lookups = manager.client.round_trips, manager.counters["lookup_calls"]
         e.step()
         per_step.append((manager.client.round_trips - trips,
                          manager.counters["lookup_calls"] - lookups))
+    return calls
+
+
+def test_round_trips_per_step_and_no_deferral(daemon: DaemonHandle) -> None:
+    e = engine(daemon.control)
+    per_step: list[tuple[int, int]] = []
+    calls = hot_requests(e, per_step)
+    e.shutdown()
     # One Lookup for all four requests, in their first step; no request deferred.
     assert sum(n for _, n in per_step) == 1 and per_step[0][1] == 1
-    assert all(result[0] is not None for r in results.values() for result in r), results
-    assert {r: [res[0] for res in v] for r, v in results.items()} == {
-        f"hot{i}": [(len(p) - 1) // UNIT * UNIT] for i, p in enumerate(prompts)}
+    assert [c for c in calls if c[2][0] is None] == []
+    # Each prompt's last hash boundary below its end (prompts of 31..34 tokens).
+    assert {r: res[0] for _, r, res in calls} == {"hot0": 28, "hot1": 28, "hot2": 32, "hot3": 32}
     # Lookup, commit, release and store batches: never more than one of each per step.
     assert max(trips for trips, _ in per_step) <= 4, per_step
-    e.shutdown()
+    # vLLM's in-process manager answers the same, in the same steps.
+    theirs = baseline()
+    assert hot_requests(theirs) == calls
+    theirs.shutdown()
 
 
-def test_request_waiting_for_our_own_store_hits_right_after_it(daemon: DaemonHandle) -> None:
-    """B arrives while A's partial tail is being written: B is deferred (HIT_PENDING) exactly
-    until the step after A's store completed, as with vLLM's in-process manager."""
-    e = engine(daemon.control)
-    manager = e.connector.scheduler.manager
+def waiting_for_a_store(e: Any) -> tuple[list[Any], list[int]]:
+    """B arrives while A's partial tail is being written."""
     prompt = list(range(600, 630))
     e.add(prompt, "A")
     for _ in range(3):  # 16, 12 (to 28), then 2 tokens: this step hands off the CoW tail
         e.step()
-    results: list[Any] = []
+    manager = e.connector.scheduler.manager
     completed: list[int] = []
-    original_lookup, original_complete = e.connector.get_num_new_matched_tokens, \
-        manager.complete_store
-
-    def lookup(request: Any, num_computed_tokens: int) -> Any:
-        result = original_lookup(request, num_computed_tokens)
-        results.append((e.steps, result))
-        return result
+    original = manager.complete_store
 
     def complete_store(keys: Any, ctx: Any, success: bool = True) -> None:
         completed.append(e.steps)
-        original_complete(keys, ctx, success)
+        original(keys, ctx, success)
 
-    e.connector.get_num_new_matched_tokens = lookup
     manager.complete_store = complete_store
+    calls = record_lookups(e)
     e.add(prompt, "B")
     e.run()
-    assert results[0] == (3, (None, False))  # the tail keys are being written
-    assert manager.counters["parked"] >= 1
-    tail_done = completed[0]  # the store of the tail, reported with a step's outputs
-    # The next step: 16 tokens from the GPU prefix cache, 12 loaded (the tail at 28).
-    assert results[1:] == [(tail_done + 1, (12, True))]
     assert e.prefill_tokens["B"] == 2
+    return calls, completed
+
+
+def test_request_waiting_for_our_own_store_hits_right_after_it(daemon: DaemonHandle) -> None:
+    """B is deferred (HIT_PENDING) exactly until the step after A's store completed, as with
+    vLLM's in-process manager: the parked lookup is released by our own commit."""
+    e = engine(daemon.control)
+    calls, completed = waiting_for_a_store(e)
+    assert e.connector.scheduler.manager.counters["parked"] >= 1
     e.shutdown()
+    assert calls[0] == (3, "B", (None, False))  # the tail keys are being written
+    # The step after the tail's store completed: 16 tokens from the GPU prefix cache, 12
+    # loaded (up to the tail at 28).
+    assert calls[1:] == [(completed[0] + 1, "B", (12, True))]
+    theirs = baseline()
+    assert waiting_for_a_store(theirs)[0] == calls
+    theirs.shutdown()

@@ -170,8 +170,8 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def _usable(self, ans: _Answer | None, info: RequestInfo) -> bool:
         if ans is None or ans.num_hashes != len(info.block_hashes):
             return False
-        if ans.parked is not None:
-            return not ans.parked.done()  # still waiting on the daemon's future: no call
+        if ans.parked is not None:  # waiting on the daemon's future: no call until it fires
+            return not ans.parked.done() and ans.local_tokens == info.local_tokens
         # The daemon's probe covers vLLM's scan for any local prefix up to its boundary.
         return ans.step == self._step and ans.local_tokens <= info.local_tokens <= ans.boundary
 

@@ -118,9 +118,11 @@ def _group_spec(group: Any, kv_cache_config: Any, config: OffloadingConfig) -> G
 
     kv_group = kv_cache_config.kv_cache_groups[group.group_id]
     spec = kv_group.kv_cache_spec
-    # Padded page bytes of the group on this rank: never less than what a worker copies.
-    nbytes = (spec.page_size_bytes if isinstance(spec, UniformTypeKVCacheSpecs)
-              else spec.page_size_bytes * len(kv_group.layer_names))
+    # vLLM's per-block bytes (what its own CPU tier sizes chunks by) covers every group's
+    # pages, packed layouts included; the group's own padded pages only when it is unknown.
+    nbytes = config.worker_kv_bytes_per_block or (
+        spec.page_size_bytes if isinstance(spec, UniformTypeKVCacheSpecs)
+        else spec.page_size_bytes * len(kv_group.layer_names))
     layer = next(iter(iter_layer_specs(spec)))
     if isinstance(layer, MambaSpec):
         return GroupSpec(GroupKind.MAMBA, tokens, nbytes,
