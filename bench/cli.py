@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
+import os
 import shlex
 import sys
 import time
@@ -23,7 +25,26 @@ SUITES: dict[str, tuple[str, str]] = {
     "copy": ("kvoffload.bench.copy", "run_copy_bench"),
     "lookup": ("kvoffload.bench.lookup", "run_lookup_bench"),
     "memory": ("kvoffload.bench.memory", "run_memory_bench"),
+    "hybrid_chat": ("kvoffload.bench.hybrid_chat", "run_hybrid_chat_bench"),
 }
+
+
+def _progress(name: str, started: float) -> Callable[[str], None]:
+    """Phase lines on stderr (stdout stays one JSON object under --json)."""
+
+    def say(message: str) -> None:
+        print(f"  [{name} {time.perf_counter() - started:6.1f}s] {message} ...", file=sys.stderr,
+              flush=True)
+
+    return say
+
+
+def _call(fn: Callable[..., dict[str, Any]], quick: bool, say: Callable[[str], None]
+          ) -> dict[str, Any]:
+    # Suites that report phases take ``progress``; the others are called as before.
+    if "progress" in inspect.signature(fn).parameters:
+        return fn(quick, progress=say)
+    return fn(quick)
 
 
 def _suite(name: str) -> Callable[[bool], dict[str, Any]] | None:
@@ -46,6 +67,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 def run_bench(args: argparse.Namespace) -> int:
     names = args.suite or sorted(SUITES)
+    # vLLM logs to stdout at INFO; the baselines import it, and --json must stay parseable.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     results: dict[str, Any] = {}
     for name in names:
         fn = _suite(name)
@@ -54,14 +77,13 @@ def run_bench(args: argparse.Namespace) -> int:
                              "error": "suite not available in this build"}
             continue
         started = time.perf_counter()
-        if not args.json:
-            print(f"running {name} ...", file=sys.stderr)
+        print(f"running {name} ...", file=sys.stderr, flush=True)
         try:
-            results[name] = fn(args.quick)
+            results[name] = _call(fn, args.quick, _progress(name, started))
         except Exception as exc:  # a broken suite must not hide the others' numbers
             results[name] = {"ratio": None, "target": None, "meets": False, "error": repr(exc)}
         results[name]["seconds"] = round(time.perf_counter() - started, 2)
-    command = "kvoffload " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(
+    command = "kvoffload " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if len(
         sys.argv) > 1 else "kvoffload bench"
     report = {"command": command, "suites": results}
     out = Path(args.out)
@@ -78,8 +100,13 @@ def run_bench(args: argparse.Namespace) -> int:
 def render_markdown(report: dict[str, Any]) -> str:
     lines = [f"Command: `{report['command']}`", "", "| suite | ratio | target | meets |",
              "|---|---|---|---|"]
+    notes = []
     for name, r in report["suites"].items():
         ratio = r.get("ratio")
+        meets = r.get("meets")
+        if r.get("not_run") or r.get("error"):
+            meets = "not run" if ratio is None else meets
+            notes.append(f"- {name}: {r.get('not_run') or r.get('error')}")
         lines.append(f"| {name} | {ratio if ratio is None else f'{ratio:.2f}'} | "
-                     f"{r.get('target')} | {r.get('meets')} |")
-    return "\n".join(lines) + "\n"
+                     f"{r.get('target')} | {meets} |")
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"

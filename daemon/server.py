@@ -22,13 +22,14 @@ import zmq
 import zmq.asyncio
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.config import Config
+from kvoffload.daemon.errors import RequestError
 from kvoffload.daemon.http import HttpServer
 from kvoffload.daemon.index import BlockIndex
 from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.notify import Notifier
 from kvoffload.daemon.pool import Pool
-from kvoffload.daemon.service import RequestError, Service
+from kvoffload.daemon.service import Service
 
 log = logging.getLogger("kvoffload.daemon")
 

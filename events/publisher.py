@@ -100,7 +100,7 @@ class EventPublisher:
         self._m_batches = m.published_batches.labels(stream)
         self._m_events = m.published_events.labels(stream)
         self._m_dropped = m.dropped_batches
-        for reason in ("queue_full", "closed", "invalid", "encode_error", "send_error"):
+        for reason in ("queue_full", "closed", "encode_error"):
             m.dropped_batches.labels(stream, reason)  # series exist at 0 for rate()
         self._m_replay_requests = m.replay_requests.labels(stream)
         self._m_replayed = m.replayed_batches.labels(stream)

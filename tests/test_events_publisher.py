@@ -332,7 +332,9 @@ async def test_address_in_use_raises_and_releases(registry: CollectorRegistry) -
     probe.close(linger=0)
     mine = f"tcp://*:{port}"
     try:
-        with pytest.raises(zmq.ZMQError):
+        # Keep the traceback (and with it the half-built publisher) alive: the port must be
+        # released by the constructor itself, not by garbage collection.
+        with pytest.raises(zmq.ZMQError) as info:
             EventPublisher(mine, taken, registry=registry)  # its replay address is taken
     finally:
         await first.aclose()
@@ -349,3 +351,4 @@ async def test_address_in_use_raises_and_releases(registry: CollectorRegistry) -
                 await asyncio.sleep(0.01)
     finally:
         sock.close(linger=0)
+    assert info.value.errno == zmq.EADDRINUSE

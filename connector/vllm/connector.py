@@ -50,6 +50,19 @@ class RequestInfo:
     token_ids: Callable[[int, int], list[int]] | None = None
     lora_name: str | None = None
 
+    def store_item(self, key: bytes, end: int, block: int, tokens_per_hash: int) -> p.StoreItem:
+        """A key whose state ends at token ``end``, described for self-describing events: a
+        complete chunk covers its block, a partial tail the tokens since the block edge."""
+        tail = end % block != 0
+        start = (end // block) * block if tail else end - block
+        first = start // tokens_per_hash
+        return p.StoreItem(
+            key=key, end_token=end, tail=tail,
+            token_ids=self.token_ids(start, end) if self.token_ids else None,
+            block_hashes=self.block_hashes[first:end // tokens_per_hash],
+            parent_hash=self.block_hashes[first - 1] if start else None,
+            lora_name=self.lora_name)
+
 
 class RequestSource(Protocol):
     def get(self, req_id: str) -> RequestInfo | None: ...

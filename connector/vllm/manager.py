@@ -149,6 +149,9 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._granted.clear()
         self._loading.clear()
         self._known.clear()
+        for ans in self._answers.values():
+            if ans.parked is not None:
+                ans.parked.cancel()
         self._answers.clear()
         self._memo.clear()
         self._probe.clear()
@@ -208,6 +211,8 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         old = self._answers.pop(query.req_id, None)
         if old is not None:
             self._release.extend(old.pins)
+            if old.parked is not None:
+                old.parked.cancel()
         ans = _Answer(step=self._step, local_tokens=query.local_tokens,
                       num_hashes=len(query.block_hashes),
                       boundary=query.local_tokens + a.chunk_tokens,
@@ -281,17 +286,9 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
                     info: RequestInfo | None) -> p.StoreItem:
         end = ctx.get_offload_key_position(key) or 0
         block = self._chunk_tokens.get(int.from_bytes(key[-4:], "big"), 1)
-        tail = end % block != 0
         if info is None or end == 0:
-            return p.StoreItem(key=key, end_token=end, tail=tail)
-        start = (end // block) * block if tail else end - block
-        tph = self.geometry.tokens_per_hash
-        return p.StoreItem(
-            key=key, end_token=end, tail=tail,
-            token_ids=info.token_ids(start, end) if info.token_ids else None,
-            block_hashes=info.block_hashes[start // tph:end // tph],
-            parent_hash=info.block_hashes[start // tph - 1] if start else None,
-            lora_name=info.lora_name)
+            return p.StoreItem(key=key, end_token=end, tail=end % block != 0)
+        return info.store_item(key, end, block, self.geometry.tokens_per_hash)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext

@@ -1,0 +1,179 @@
+"""Lookup handling: many requests per message, futures for pending keys, miss reasons.
+
+Runs the pure lookup (``daemon/lookup.py``) against the index for every query of a ``Lookup``
+message, pins the hit's keys for the caller when asked, and, when a key is still being written
+and the caller allows a wait, parks on that key's future and answers when it resolves. Every
+final answer is counted once and published once as a lookup event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Awaitable
+
+from kvoffload.daemon import lookup as lk
+from kvoffload.daemon import protocol as p
+from kvoffload.daemon.errors import MAX_KEY_BYTES
+from kvoffload.daemon.errors import bad_request as _bad
+from kvoffload.daemon.index import BlockIndex, Namespace
+from kvoffload.daemon.kv_events import DaemonEvents
+from kvoffload.daemon.leases import ClientState
+from kvoffload.daemon.metrics import DaemonMetrics
+from kvoffload.daemon.types import KeyStatus
+
+
+class LookupHandler:
+    def __init__(self, index: BlockIndex, metrics: DaemonMetrics, events: DaemonEvents,
+                 totals: Counter[str]) -> None:
+        self.index = index
+        self.metrics = metrics
+        self.events = events
+        self.totals = totals
+
+    def _validate_query(self, ns: Namespace, q: p.LookupQuery) -> None:
+        tph = ns.geometry.tokens_per_hash
+        if not 0 <= q.local_tokens <= q.num_tokens or q.num_prompt_tokens > q.num_tokens:
+            raise _bad(f"request {q.req_id!r}: need 0 <= local_tokens <= num_tokens and "
+                       "num_prompt_tokens <= num_tokens")
+        if len(q.block_hashes) > q.num_tokens // tph:
+            raise _bad(f"request {q.req_id!r}: {len(q.block_hashes)} hashes for "
+                       f"{q.num_tokens} tokens at {tph} tokens per hash")
+        if any(not 0 < len(h) <= MAX_KEY_BYTES for h in q.block_hashes):
+            raise _bad(f"request {q.req_id!r}: a block hash is empty or too long")
+
+    def _lookup_one(self, client: ClientState, ns: Namespace, q: p.LookupQuery,
+                    pin: bool) -> tuple[p.LookupAnswer, list[bytes]]:
+        hits: list[bytes] = []
+        pending: list[bytes] = []
+        misses: list[bytes] = []
+        status = self.index.status
+
+        def probe(key: bytes) -> KeyStatus:
+            s = status(ns, key)
+            if s is KeyStatus.HIT:
+                hits.append(key)
+            elif s is KeyStatus.MISS:
+                misses.append(key)
+            else:
+                pending.append(key)
+            return s
+
+        try:
+            out = lk.lookup(ns.geometry, lk.LookupQuery(q.block_hashes, q.num_tokens,
+                                                        q.num_prompt_tokens, q.local_tokens),
+                            probe)
+        except ValueError as exc:  # hashes that cannot cover the request, and the like
+            raise _bad(f"request {q.req_id!r}: {exc}") from None
+        slots: list[int] = []
+        reason = None
+        if out.hit_tokens is None:
+            pass
+        elif out.hit_tokens == 0:
+            reason = self._miss_reason(ns, q, hits, misses)
+        else:
+            slots = [self.index.ready_slot(ns, k) or 0 for k in out.load_keys]
+            for slot in slots:
+                self.index.touch(slot)
+                if pin:
+                    self.index.pin(slot)
+                    client.pins[slot] += 1
+            if pin:
+                self.metrics.loads.labels("pinned").inc(len(slots))
+                self.metrics.loaded_bytes.inc(len(slots) * self.index.pool.slot_bytes)
+            else:
+                slots = []
+        answer = p.LookupAnswer(req_id=q.req_id, hit_tokens=out.hit_tokens,
+                                chunk_tokens=out.chunk_tokens, tail_boundary=out.tail_boundary,
+                                load_keys=out.load_keys if out.hit_tokens else [], slots=slots,
+                                hit_keys=hits, pending_keys=pending, miss_reason=reason)
+        return answer, out.deferred_keys
+
+    def _miss_reason(self, ns: Namespace, q: p.LookupQuery, hits: list[bytes],
+                     misses: list[bytes]) -> str:
+        smallest = min(g.tokens_per_block for g in ns.geometry.groups)
+        if q.num_prompt_tokens - q.local_tokens <= min(smallest, ns.geometry.tokens_per_hash):
+            return "too_short"
+        if misses and self.events.was_evicted(misses[0]):
+            return "evicted"
+        return "group_missing" if hits else "not_stored"
+
+    def _report(self, ns: Namespace, q: p.LookupQuery, a: p.LookupAnswer) -> None:
+        """Count one final answer and publish its lookup event."""
+        self.events.lookup(ns, q, a)
+        t = self.totals
+        t["lookups_total"] += 1
+        t["requested_tokens_total"] += q.num_prompt_tokens - q.local_tokens
+        if a.hit_tokens:
+            t["hit_tokens_total"] += a.hit_tokens
+            t["chunk_hit_tokens_total"] += a.chunk_tokens
+            t["tail_hit_tokens_total"] += a.hit_tokens - a.chunk_tokens
+        m = self.metrics
+        m.lookup_tokens.labels("requested").inc(q.num_prompt_tokens - q.local_tokens)
+        if a.hit_tokens is None:
+            m.lookups.labels("deferred").inc()
+        elif a.hit_tokens == 0:
+            m.lookups.labels("miss").inc()
+            m.lookup_misses.labels(a.miss_reason or "unknown").inc()
+        else:
+            m.lookups.labels("tail" if a.tail_boundary is not None else "chunk").inc()
+            m.lookup_tokens.labels("hit").inc(a.hit_tokens)
+            m.lookup_tokens.labels("chunk_hit").inc(a.chunk_tokens)
+            m.lookup_tokens.labels("tail_hit").inc(a.hit_tokens - a.chunk_tokens)
+
+    def _lookup_all(self, client: ClientState, msg: p.Lookup, ns: Namespace,
+                    final: bool) -> tuple[list[p.LookupAnswer], list[bytes]]:
+        answers, waits = [], []
+        for q in msg.queries:
+            a, deferred = self._lookup_one(client, ns, q, msg.pin)
+            answers.append(a)
+            waits.extend(deferred)
+            if final or a.hit_tokens is not None:
+                self._report(ns, q, a)
+        return answers, waits
+
+    def lookup(self, client: ClientState, ns: Namespace,
+               msg: p.Lookup) -> p._Msg | Awaitable[p._Msg]:
+        for q in msg.queries:
+            self._validate_query(ns, q)
+        started = time.perf_counter()
+        answers, waits = self._lookup_all(client, msg, ns, final=msg.wait_ms <= 0)
+        self.metrics.lookup_seconds.observe(time.perf_counter() - started)
+        if not waits or msg.wait_ms <= 0:
+            return p.LookupReply(rid=msg.rid, answers=answers)
+        return self._lookup_waiting(client, msg, ns, answers, waits)
+
+    async def _lookup_waiting(self, client: ClientState, msg: p.Lookup, ns: Namespace,
+                              answers: list[p.LookupAnswer], waits: list[bytes]) -> p._Msg:
+        """Park on the pending keys' futures; re-run the deferred queries when one resolves."""
+        deadline = time.monotonic() + msg.wait_ms / 1000
+        while True:
+            futures = [f for f in (self.index.wait(ns, k) for k in waits) if f is not None]
+            left = deadline - time.monotonic()
+            if not futures or left <= 0:
+                break
+            self.metrics.futures_waiting.inc()
+            try:
+                await asyncio.wait(futures, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.metrics.futures_waiting.dec()
+                for f in futures:
+                    f.cancel()
+            redo = p.Lookup(rid=msg.rid, engine=msg.engine, pin=msg.pin,
+                            queries=[q for q, a in zip(msg.queries, answers, strict=True)
+                                     if a.hit_tokens is None])
+            final = time.monotonic() >= deadline
+            new_answers, waits = self._lookup_all(client, redo, ns, final)
+            by_id = {a.req_id: a for a in new_answers}
+            answers = [by_id.get(a.req_id, a) if a.hit_tokens is None else a for a in answers]
+            if not waits:
+                break
+        # Past the deadline a key still being written is a miss for this caller.
+        answers = [p.LookupAnswer(req_id=a.req_id, hit_tokens=0, miss_reason="pending",
+                                  hit_keys=a.hit_keys, pending_keys=a.pending_keys)
+                   if a.hit_tokens is None else a for a in answers]
+        for q, a in zip(msg.queries, answers, strict=True):
+            if a.miss_reason == "pending":
+                self._report(ns, q, a)
+        return p.LookupReply(rid=msg.rid, answers=answers)
