@@ -109,7 +109,8 @@ def _timer(fn: Callable[[], Any]) -> Callable[[], float]:
 
 def _breakdown(d: EmbeddedDaemon, geometry: Geometry, query: p.LookupQuery,
                reps: int = 200) -> dict[str, float]:
-    """Where the daemon's time per request goes, measured inside it (no transport)."""
+    """Where the daemon's time per request goes, measured inside it (no transport);
+    -1 where this daemon version has no such step."""
     payload = p.encoder.encode(p.Lookup(rid=1, engine=0, queries=[query]))
 
     def measure(server: Any) -> dict[str, float]:
@@ -130,10 +131,14 @@ def _breakdown(d: EmbeddedDaemon, geometry: Geometry, query: p.LookupQuery,
 
         status = server.index.status
         pure = lk.LookupQuery(query.block_hashes, query.num_tokens, query.num_prompt_tokens, 0)
+        # The daemon's request validation, wherever this version keeps it (it moves).
+        holders: list[Any] = [svc, getattr(svc, "lookups", None)]
+        validate = next((o._validate_query for o in holders if hasattr(o, "_validate_query")),
+                        None)
         return {"decode_us": t(lambda: p.request_decoder.decode(payload)),
                 "lookup_only_us": t(lambda: lk.lookup(geometry, pure,
                                                       lambda k: status(ns, k))),
-                "validate_us": t(lambda: svc._validate_query(ns, query)),
+                "validate_us": t(lambda: validate(ns, query)) if validate else -1.0,
                 "handle_us": t(lambda: svc.handle(ident, msg)),
                 "client_encode_us": t(lambda: p.encoder.encode(msg))}
 
