@@ -31,7 +31,8 @@ from kvoffload.events.schema import (
     to_json_dict,
 )
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors" / "kv_events"  # ../shared
+# Payloads encoded by vLLM 0.33.0 itself (copied from the project's shared/vectors/kv_events).
+VECTORS = Path(__file__).resolve().parent / "vectors" / "kv_events"
 CASES: dict[str, Any] = json.loads((VECTORS / "cases.json").read_text())
 
 STORED_ORDER = [
