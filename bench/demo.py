@@ -25,7 +25,7 @@ from kvoffload.bench.workload import PRESETS, Turn, block_hashes, chat_turns
 from kvoffload.connector.client import AsyncDaemonClient
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.config import Config, parse_size
-from kvoffload.daemon.types import Geometry, make_key
+from kvoffload.daemon.types import Geometry, PackedHashes, make_key
 
 PREFILL_TOKENS_PER_S = 10_000  # hybrid 27B on one H200 (workloads.md time model)
 COPY_BYTES_PER_S = 50e9  # pinned host-to-device over PCIe Gen5 x16
@@ -97,7 +97,9 @@ class SimEngine:
         assert self.client.engine is not None
         hashes = block_hashes(turn.prompt, g.tokens_per_hash)
         n = len(turn.prompt)
-        query = p.LookupQuery(req_id=f"{turn.conversation}-{turn.index}", block_hashes=hashes,
+        packed = PackedHashes.pack(hashes)
+        query = p.LookupQuery(req_id=f"{turn.conversation}-{turn.index}", hash_blob=packed.blob,
+                              hash_bytes=packed.width,
                               num_tokens=n, num_prompt_tokens=n)
         reply = await self.client.expect(p.Lookup(rid=self.client.rid(), engine=self.client.engine,
                                                   queries=[query], pin=True), p.LookupReply)

@@ -58,6 +58,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     events_replay: str | None = None
     lookup_events: str | None = None
     engine_events: list[str] = []
+    engine_events_max_tokens: int = 8 << 20  # token budget of the engines' GPU-block index
+    hub: str | None = None  # node hub PUB: engines' GPU events + our CPU events, one stream
+    hub_replay: str | None = None  # hub ROUTER: vLLM replay plus the snapshot request
+    hub_buffer_batches: int = 10_000  # hub replay buffer
     event_hashes: str = "int"  # "int": last 8 bytes big-endian (vLLM's default); "bytes": raw
     http: str = "127.0.0.1:9400"
     pool_path: str = "/dev/shm/kvoffload-pool"

@@ -9,7 +9,15 @@ tokens as the attention tail at the same boundary, told apart by ``group_idx`` a
 ``kv_cache_spec_kind``. A removal lists exactly the hashes its store listed.
 
 A store whose request carried no token ids is still stored, but its event waits (bounded, and
-counted) until a payload is known: a router must never see a silent placeholder.
+counted) until a payload is known: a router must never see a silent placeholder. For complete
+chunks the payload comes from the engines' own streams (``daemon/engine_streams.py``): a GPU
+block's hash is the last fine hash inside it, i.e. our chunk key's hash, and any group of the
+namespace will do (tokens are the same for every group). Partial tails cannot be completed that
+way (vLLM only publishes full blocks): they stay awaiting, counted, until evicted.
+
+With the node hub (``--hub``) every published CPU event also goes to the hub, and the payload of
+every resident block is kept (one ``StoredRecord`` per slot, token arrays shared by the groups
+that list the same hashes) so the hub can answer snapshots.
 
 Lookup events (``--lookup-events``) use our own versioned schema on their own endpoint: routers
 reject batches holding unknown event types, so the two streams never mix.
@@ -18,17 +26,22 @@ reject batches holding unknown event types, so the two streams never mix.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import OrderedDict
 from typing import Any
 
 from kvoffload.daemon import protocol as p
+from kvoffload.daemon.engine_streams import DEFAULT_MAX_TOKENS, EngineStreams
 from kvoffload.daemon.index import Namespace
 from kvoffload.daemon.types import key_group, key_hash
+from kvoffload.events.hub import HubPublisher, StoredRecord
 from kvoffload.events.publisher import EventPublisher, LookupEventPublisher
 from kvoffload.events.schema import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventBatch,
+    KVEvent,
     LookupEvent,
     hash_to_int,
 )
@@ -43,17 +56,32 @@ RECENTLY_EVICTED = 65_536
 class DaemonEvents:
     def __init__(self, *, events: str | None, events_replay: str | None,
                  lookup_events: str | None, int_hashes: bool, registry: CollectorRegistry,
-                 hwm: int = 100_000, buffer_batches: int = 10_000) -> None:
+                 hwm: int = 100_000, buffer_batches: int = 10_000,
+                 engine_events: list[str] | None = None,
+                 engine_max_tokens: int = DEFAULT_MAX_TOKENS, hub: str | None = None,
+                 hub_replay: str | None = None, hub_buffer_batches: int = 10_000) -> None:
         self.int_hashes = int_hashes
         self.kv = (EventPublisher(events, events_replay, hwm=hwm, buffer_batches=buffer_batches,
                                   registry=registry) if events else None)
         self.lookups = (LookupEventPublisher(lookup_events, hwm=hwm, registry=registry)
                         if lookup_events else None)
+        self.hub = (HubPublisher(hub, hub_replay, hwm=hwm, buffer_batches=hub_buffer_batches,
+                                 registry=registry, snapshot=self._snapshot)
+                    if hub else None)
+        self.engines = (EngineStreams(engine_events, registry, max_tokens=engine_max_tokens,
+                                      on_batch=self._engine_batch, on_block=self._engine_block)
+                        if engine_events else None)
         # slot -> the store request's payload, from prepare until commit or abort.
         self._payloads: dict[int, p.StoreItem] = {}
-        # slot -> hashes a committed tail listed (a chunk lists only its key's hash).
-        self._tail_hashes: dict[int, list[bytes]] = {}
+        # slot -> wire hashes a published event listed, when not just its key's hash
+        # (tails; chunks completed from several engine blocks).
+        self._listed: dict[int, list[Any]] = {}
         self._awaiting: OrderedDict[int, tuple[Namespace, bytes]] = OrderedDict()
+        # int hash of an awaiting chunk key -> its slots (one per group), for completion.
+        self._awaiting_by_hash: dict[int, set[int]] = {}
+        # Only with the hub: slot -> what its event said; listed hashes -> shared tokens.
+        self._resident: dict[int, StoredRecord] = {}
+        self._tokens: dict[tuple[Any, ...], list[Any]] = {}  # hashes -> [array, refs]
         self._evicted: OrderedDict[bytes, None] = OrderedDict()
         self.incomplete = Counter("kvoffload_events_incomplete_total",
                                   "Stores whose event could not carry a full payload, by "
@@ -62,18 +90,25 @@ class DaemonEvents:
         self.awaiting_gauge = Gauge("kvoffload_events_awaiting_payload",
                                     "Committed blocks whose event waits for token ids.",
                                     registry=registry)
+        self.completed = Counter("kvoffload_events_completed_total",
+                                 "Awaiting stores whose payload came from an engine stream.",
+                                 registry=registry)
 
     @property
     def enabled(self) -> bool:
-        return self.kv is not None
+        return self.kv is not None or self.hub is not None
 
     async def start(self) -> None:
-        for pub in (self.kv, self.lookups):
+        for pub in (self.kv, self.lookups, self.hub):
             if pub is not None:
                 await pub.start()
+        if self.engines is not None:
+            await self.engines.start()
 
     async def aclose(self) -> None:
-        for pub in (self.kv, self.lookups):
+        if self.engines is not None:
+            await self.engines.aclose()
+        for pub in (self.kv, self.lookups, self.hub):
             if pub is not None:
                 await pub.aclose(flush=True)
 
@@ -84,7 +119,7 @@ class DaemonEvents:
 
     def remember(self, slot: int, item: p.StoreItem) -> None:
         """Keep a store's payload from prepare to commit (only when KV events are on)."""
-        if self.kv is not None:
+        if self.enabled:
             self._payloads[slot] = item
 
     def forget(self, slot: int) -> None:
@@ -93,17 +128,140 @@ class DaemonEvents:
 
     def stored(self, ns: Namespace, key: bytes, slot: int) -> None:
         item = self._payloads.pop(slot, None)
-        if self.kv is None:
+        if not self.enabled:
             return
         event = self._block_stored(ns, key, slot, item)
+        if event is None and item is not None and not item.tail:
+            event = self._from_engines(ns, key, slot)
         if event is None:
             self._awaiting[slot] = (ns, key)
+            if item is not None and not item.tail:
+                self._awaiting_by_hash.setdefault(hash_to_int(key_hash(key)), set()).add(slot)
             if len(self._awaiting) > MAX_AWAITING_PAYLOAD:
-                self._awaiting.popitem(last=False)
+                self._unawait(next(iter(self._awaiting)))
                 self.incomplete.labels("overflow").inc()
             self.awaiting_gauge.set(len(self._awaiting))
             return
-        self.kv.publish(event)
+        self._publish_stored(slot, key, event)
+
+    def _unawait(self, slot: int) -> bool:
+        got = self._awaiting.pop(slot, None)
+        if got is None:
+            return False
+        h = hash_to_int(key_hash(got[1]))
+        slots = self._awaiting_by_hash.get(h)
+        if slots is not None:
+            slots.discard(slot)
+            if not slots:
+                del self._awaiting_by_hash[h]
+        return True
+
+    def _emit(self, event: KVEvent) -> None:
+        if self.kv is not None:
+            self.kv.publish(event)
+        if self.hub is not None:
+            self.hub.publish(event)
+
+    def _publish_stored(self, slot: int, key: bytes, event: BlockStored) -> None:
+        if event.block_hashes != [self._hash(key_hash(key))]:
+            self._listed[slot] = list(event.block_hashes)
+        if self.hub is not None:
+            listed = tuple(event.block_hashes)
+            shared = self._tokens.get(listed)
+            if shared is None or shared[0].tolist() != event.token_ids:
+                shared = self._tokens[listed] = [array("I", event.token_ids), 0]
+            shared[1] += 1
+            self._resident[slot] = StoredRecord.from_event(event, tokens=shared[0])
+        self._emit(event)
+
+    # -- completion from engine streams -------------------------------------------------
+
+    def _engine_block(self, h: int) -> None:
+        """An engine announced block `h`: publish the stores that waited for its payload."""
+        slots = self._awaiting_by_hash.get(h)
+        if not slots:
+            return
+        for slot in list(slots):
+            ns, key = self._awaiting[slot]
+            event = self._from_engines(ns, key, slot)
+            if event is not None:
+                self._unawait(slot)
+                self.completed.inc()
+                self._publish_stored(slot, key, event)
+        self.awaiting_gauge.set(len(self._awaiting))
+
+    def _wire(self, h: Any) -> Any:
+        """An engine's hash in our configured form; None when it cannot be (int -> bytes)."""
+        if self.int_hashes:
+            return hash_to_int(h) if isinstance(h, bytes) else h
+        return h if isinstance(h, bytes) else None
+
+    def _from_engines(self, ns: Namespace, key: bytes, slot: int) -> BlockStored | None:
+        """The chunk's payload from the engines' GPU blocks ending at the key's hash."""
+        if self.engines is None:
+            return None
+        g = ns.geometry
+        group = key_group(key)
+        spec = g.groups[group]
+        need = spec.tokens_per_block * g.blocks_per_chunk
+        chain: list[StoredRecord] = []
+        h: Any = hash_to_int(key_hash(key))
+        have = 0
+        while have < need:  # a chunk of several engine blocks: follow parents back
+            rec = self.engines.find(h, group)
+            if rec is None:
+                return None
+            chain.append(rec)
+            have += len(rec.tokens)
+            if have < need:
+                if rec.parent is None:
+                    return None
+                h = hash_to_int(rec.parent) if isinstance(rec.parent, bytes) else rec.parent
+        chain.reverse()
+        parent = None if chain[0].parent is None else self._wire(chain[0].parent)
+        if have != need or (chain[0].parent is not None and parent is None):
+            self.incomplete.labels("engine_mismatch").inc()
+            return None
+        if len(chain) == 1:
+            hashes = [self._hash(key_hash(key))]
+            block_size = need
+        else:
+            hashes = [self._wire(r.hashes[0]) for r in chain[:-1]] + [self._hash(key_hash(key))]
+            block_size = chain[0].block_size
+            if None in hashes or any(r.block_size != block_size for r in chain):
+                self.incomplete.labels("engine_mismatch").inc()
+                return None
+        tokens: list[int] = []
+        extra: list[Any] = []
+        for r in chain:
+            tokens.extend(r.tokens)
+            extra.extend(r.extra_keys or (None,))
+        return BlockStored(
+            block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+            block_size=block_size, lora_id=None, medium="CPU", lora_name=chain[-1].lora_name,
+            extra_keys=extra if len(extra) == len(hashes) and any(extra) else None,
+            group_idx=group, kv_cache_spec_kind=spec.kind.value,
+            kv_cache_spec_sliding_window=spec.sliding_window_tokens, locality="LOCAL")
+
+    # -- hub ---------------------------------------------------------------------------
+
+    def _engine_batch(self, idx: int, batch: EventBatch) -> None:
+        if self.hub is not None:
+            self.hub.publish(batch)
+
+    def _snapshot(self) -> list[StoredRecord]:
+        gpu = self.engines.records() if self.engines is not None else []
+        return [*gpu, *self._resident.values()]
+
+    def _unresident(self, slot: int) -> None:
+        rec = self._resident.pop(slot, None)
+        if rec is None:
+            return
+        shared = self._tokens.get(rec.hashes)
+        if shared is not None and shared[0] is rec.tokens:
+            shared[1] -= 1
+            if shared[1] <= 0:
+                del self._tokens[rec.hashes]
 
     def _block_stored(self, ns: Namespace, key: bytes, slot: int, item: p.StoreItem | None
                       ) -> BlockStored | None:
@@ -122,8 +280,6 @@ class DaemonEvents:
         if not hashes or len(item.token_ids) != block_size * len(hashes):
             self.incomplete.labels("bad_length").inc()
             return None
-        if item.tail:
-            self._tail_hashes[slot] = hashes
         return BlockStored(
             block_hashes=[self._hash(h) for h in hashes],
             parent_block_hash=None if item.parent_hash is None else self._hash(item.parent_hash),
@@ -136,17 +292,19 @@ class DaemonEvents:
         self._evicted[key] = None
         if len(self._evicted) > RECENTLY_EVICTED:
             self._evicted.popitem(last=False)
-        hashes = self._tail_hashes.pop(slot, None)
-        if self._awaiting.pop(slot, None) is not None:
+        listed = self._listed.pop(slot, None)
+        self._unresident(slot)
+        if self._unawait(slot):
             self.awaiting_gauge.set(len(self._awaiting))
             return  # never published, so nothing to remove
-        if self.kv is None:
+        if not self.enabled:
             return
-        hashes = hashes or [key_hash(key)]
-        self.kv.publish(BlockRemoved(block_hashes=[self._hash(h) for h in hashes], medium="CPU",
-                                     group_idx=key_group(key), locality="LOCAL"))
+        hashes = listed or [self._hash(key_hash(key))]
+        self._emit(BlockRemoved(block_hashes=hashes, medium="CPU", group_idx=key_group(key),
+                                locality="LOCAL"))
 
     def cleared(self) -> None:
+        # Not sent to the hub: there a clear would also wipe the engines' GPU blocks.
         if self.kv is not None:
             self.kv.publish(AllBlocksCleared())
 

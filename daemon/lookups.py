@@ -37,11 +37,21 @@ class LookupHandler:
         if not 0 <= q.local_tokens <= q.num_tokens or q.num_prompt_tokens > q.num_tokens:
             raise _bad(f"request {q.req_id!r}: need 0 <= local_tokens <= num_tokens and "
                        "num_prompt_tokens <= num_tokens")
-        if len(q.block_hashes) > q.num_tokens // tph:
-            raise _bad(f"request {q.req_id!r}: {len(q.block_hashes)} hashes for "
-                       f"{q.num_tokens} tokens at {tph} tokens per hash")
-        if any(not 0 < len(h) <= MAX_KEY_BYTES for h in q.block_hashes):
-            raise _bad(f"request {q.req_id!r}: a block hash is empty or too long")
+        if q.hash_bytes or q.hash_blob:
+            if q.block_hashes or not 0 < q.hash_bytes <= MAX_KEY_BYTES or \
+                    len(q.hash_blob) % q.hash_bytes:
+                raise _bad(f"request {q.req_id!r}: hash_blob must hold whole hashes of "
+                           f"hash_bytes (1..{MAX_KEY_BYTES}) bytes, without block_hashes")
+            n = len(q.hash_blob) // q.hash_bytes
+        else:
+            n = len(q.block_hashes)
+            # min/max over map(len) run in C: per-hash Python checks cost more than the lookup.
+            if n and (min(map(len, q.block_hashes)) == 0 or
+                      max(map(len, q.block_hashes)) > MAX_KEY_BYTES):
+                raise _bad(f"request {q.req_id!r}: a block hash is empty or too long")
+        if n > q.num_tokens // tph:
+            raise _bad(f"request {q.req_id!r}: {n} hashes for {q.num_tokens} tokens at "
+                       f"{tph} tokens per hash")
 
     def _lookup_one(self, client: ClientState, ns: Namespace, q: p.LookupQuery,
                     pin: bool) -> tuple[p.LookupAnswer, list[bytes]]:
@@ -61,7 +71,7 @@ class LookupHandler:
             return s
 
         try:
-            out = lk.lookup(ns.geometry, lk.LookupQuery(q.block_hashes, q.num_tokens,
+            out = lk.lookup(ns.geometry, lk.LookupQuery(q.hashes(), q.num_tokens,
                                                         q.num_prompt_tokens, q.local_tokens),
                             probe)
         except ValueError as exc:  # hashes that cannot cover the request, and the like
@@ -74,12 +84,12 @@ class LookupHandler:
             reason = self._miss_reason(ns, q, hits, misses)
         else:
             slots = [self.index.ready_slot(ns, k) or 0 for k in out.load_keys]
-            for slot in slots:
-                self.index.touch(slot)
-                if pin:
+            if pin:
+                # Recency is updated when the load completes (complete_load), not here: a
+                # lookup that loads nothing must not reorder the policy.
+                for slot in slots:
                     self.index.pin(slot)
                     client.pins[slot] += 1
-            if pin:
                 self.metrics.loads.labels("pinned").inc(len(slots))
                 self.metrics.loaded_bytes.inc(len(slots) * self.index.pool.slot_bytes)
             else:

@@ -13,6 +13,7 @@ import fcntl
 import logging
 import mmap
 import os
+from array import array
 from pathlib import Path
 
 log = logging.getLogger("kvoffload.daemon")
@@ -31,7 +32,7 @@ class Pool:
         self.prefault = prefault
         self.slot_bytes = 0
         self.num_slots = 0
-        self._free: list[int] = []
+        self._free = array("I")
         self._fd: int | None = None
         self._mm: mmap.mmap | None = None
 
@@ -72,8 +73,9 @@ class Pool:
             raise ValueError(f"slot size {slot_bytes} does not fit a pool of {self.pool_bytes}")
         self.slot_bytes = slot_bytes
         self.num_slots = self.pool_bytes // slot_bytes
-        # Hand out low slots first: pop() from the end of a reversed list.
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        # Hand out low slots first: pop() from the end of a reversed array. An array of
+        # 4-byte cells, not a list of int objects: 4 MB instead of ~36 MB at 1M slots.
+        self._free = array("I", range(self.num_slots - 1, -1, -1))
 
     @property
     def configured(self) -> bool:

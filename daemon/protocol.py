@@ -12,10 +12,11 @@ Keys are vLLM ``OffloadKey`` bytes (block hash + 4-byte big-endian group index),
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-from kvoffload.daemon.types import Geometry
+from kvoffload.daemon.types import Geometry, PackedHashes
 
 PROTOCOL_VERSION = 1
 
@@ -60,10 +61,18 @@ class LookupQuery(msgspec.Struct, frozen=True, kw_only=True):
     """One request's lookup: the daemon returns its longest usable hit."""
 
     req_id: str
-    block_hashes: list[bytes]
+    block_hashes: list[bytes] = []
     num_tokens: int
     num_prompt_tokens: int
     local_tokens: int = 0
+    # The same hashes packed end to end (``PackedHashes``): decodes in constant time. A query
+    # carries either block_hashes or hash_blob + hash_bytes.
+    hash_blob: bytes = b""
+    hash_bytes: int = 0
+
+    def hashes(self) -> Sequence[bytes]:
+        return PackedHashes(self.hash_blob, self.hash_bytes) if self.hash_bytes else \
+            self.block_hashes
 
 
 class Lookup(_Msg, tag="lookup"):

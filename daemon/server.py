@@ -63,7 +63,11 @@ class Server:
         self.events = DaemonEvents(events=config.events, events_replay=config.events_replay,
                                    lookup_events=config.lookup_events,
                                    int_hashes=config.event_hashes == "int",
-                                   registry=self.metrics.registry)
+                                   registry=self.metrics.registry,
+                                   engine_events=config.engine_events,
+                                   engine_max_tokens=config.engine_events_max_tokens,
+                                   hub=config.hub, hub_replay=config.hub_replay,
+                                   hub_buffer_batches=config.hub_buffer_batches)
         self.service = Service(config, self.index, self.metrics, self.events)
         self.http = HttpServer(*config.http_host_port, self.metrics.registry, self.readiness)
         self._ctx = zmq.asyncio.Context()
@@ -151,7 +155,10 @@ class Server:
                 "events_replay": (self.events.kv.bound_replay_endpoint
                                   if self.events.kv else None),
                 "lookup_events": (self.events.lookups.bound_endpoint
-                                  if self.events.lookups else None)}))
+                                  if self.events.lookups else None),
+                "hub": self.events.hub.bound_endpoint if self.events.hub else None,
+                "hub_replay": (self.events.hub.bound_replay_endpoint
+                               if self.events.hub else None)}))
         tmp.replace(self.ready_file)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:

@@ -262,6 +262,7 @@ class Service:
                 if not client.pins[slot]:
                     del client.pins[slot]
                 self.index.unpin(slot)
+                self.index.touch(slot)  # the block was just reused: most recent now
                 done += 1
         self.metrics.loads.labels("completed").inc(done)
         self._update_pool_gauges()

@@ -8,6 +8,8 @@ builds can be sent to the daemon unchanged.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
+from typing import overload
 
 import msgspec
 
@@ -27,6 +29,45 @@ def key_hash(key: bytes) -> bytes:
 def key_group(key: bytes) -> int:
     """The group index part of an offload key."""
     return int.from_bytes(key[-GROUP_BYTES:], "big", signed=False)
+
+
+class PackedHashes(Sequence[bytes]):
+    """Block hashes packed end to end in one bytes object, all ``width`` bytes long.
+
+    A 32k-token prompt has thousands of hashes; as one blob they cross the wire and decode in
+    constant time, and a lookup slices out only the few it probes.
+    """
+
+    __slots__ = ("blob", "width", "_n")
+
+    def __init__(self, blob: bytes, width: int) -> None:
+        if width <= 0 or len(blob) % width:
+            raise ValueError(f"{len(blob)} bytes are not a whole number of {width}-byte hashes")
+        self.blob, self.width, self._n = blob, width, len(blob) // width
+
+    @classmethod
+    def pack(cls, hashes: Sequence[bytes]) -> PackedHashes:
+        width = len(hashes[0]) if hashes else 32
+        if any(len(h) != width for h in hashes):
+            raise ValueError("hashes of different lengths cannot be packed")
+        return cls(b"".join(hashes), width)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[bytes]: ...
+    def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        w = self.width
+        return self.blob[i * w:(i + 1) * w]
 
 
 class KeyStatus(enum.IntEnum):

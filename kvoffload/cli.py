@@ -18,6 +18,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--lookup-events", help="PUB endpoint for lookup / miss-reason events")
     s.add_argument("--engine-events", action="append",
                    help="an engine's KV-event endpoint EP[,REPLAY_EP] (repeatable)")
+    s.add_argument("--engine-events-max-tokens", type=int,
+                   help="token budget of the engines' GPU-block index (8388608)")
+    s.add_argument("--hub", help="PUB endpoint of the node event hub (engines' + daemon's events)")
+    s.add_argument("--hub-replay", help="ROUTER endpoint of the hub: replay and snapshots")
+    s.add_argument("--hub-buffer-batches", type=int, help="hub replay buffer in batches (10000)")
     s.add_argument("--event-hashes", choices=["int", "bytes"],
                    help="block hashes in events as integers (vLLM's default) or raw bytes")
     s.add_argument("--http", help="HOST:PORT for /healthz /readyz /metrics (127.0.0.1:9400)")
@@ -43,7 +48,8 @@ def _serve(args: argparse.Namespace) -> int:
     keys = ["control", "events", "events_replay", "lookup_events", "engine_events",
             "event_hashes", "http",
             "pool_path", "pool_bytes", "slot_bytes", "state_dir", "policy", "lease_ms",
-            "log_format", "log_level"]
+            "log_format", "log_level", "engine_events_max_tokens", "hub", "hub_replay",
+            "hub_buffer_batches"]
     try:
         config = load_config(args.config or os.environ.get("KVOFFLOAD_CONFIG"),
                              flags={k: getattr(args, k) for k in keys})

@@ -208,3 +208,20 @@ def test_lookup_suite_smoke() -> None:
     # Both sides find the same hit: every chunk plus the highest tail.
     assert r["vllm_answer"]["hit_tokens"] == r["ours_answer"]["hit_tokens"] == 32752
     assert r["vllm_answer"]["manager_lookups"] == r["ours_answer"]["keys_probed"] == 48
+
+
+@pytest.mark.parametrize("suite", ["hybrid_chat", "lookup"])
+def test_without_vllm_the_baseline_suites_say_not_run(monkeypatch, suite: str) -> None:
+    """Never "passed" without the baseline: ratio None, meets False, and the reason."""
+    import importlib
+
+    module = importlib.import_module(f"kvoffload.bench.{suite}")
+    monkeypatch.setattr(module, "vllm_import_error", lambda: "vLLM cannot be imported: test")
+    if suite == "hybrid_chat":
+        r = module.run_hybrid_chat_bench(True, requests=10)
+        assert "vllm" not in r["variants"] and "ours" in r["variants"]
+    else:
+        r = module.run_lookup_bench(True, samples=25, big_resident=2_000)
+        assert "vllm" not in r and "ours_single" in r
+    assert r["ratio"] is None and r["meets"] is False
+    assert "vLLM cannot be imported" in r["not_run"]

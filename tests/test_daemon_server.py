@@ -225,3 +225,20 @@ def test_goodbye_releases_pins_and_pending_at_once(tmp_path) -> None:
         assert (stats["pinned"], stats["pending"], stats["clients"]) == (0, 0, 1)
         assert stats["lookups_total"] == 1 and stats["hit_tokens_total"] == 16
         other.close()
+
+
+def test_packed_hashes_answer_like_a_list(client: DaemonClient) -> None:
+    from kvoffload.daemon.types import PackedHashes
+
+    store(client, [make_key(H[3], 0), make_key(H[3], 1), make_key(H[6], 0), make_key(H[6], 1)])
+    packed = PackedHashes.pack(H)
+    q = p.LookupQuery(req_id="packed", hash_blob=packed.blob, hash_bytes=packed.width,
+                      num_tokens=30, num_prompt_tokens=30)
+    as_list, as_blob = client.lookup([query(), q])
+    assert (as_blob.hit_tokens, as_blob.load_keys) == (as_list.hit_tokens, as_list.load_keys)
+    assert as_blob.hit_tokens == 28
+    bad = p.LookupQuery(req_id="bad", hash_blob=packed.blob[:-1], hash_bytes=32,
+                        num_tokens=30, num_prompt_tokens=30)
+    with pytest.raises(p.ProtocolError) as exc:
+        client.lookup([bad])
+    assert exc.value.code == p.ErrorCode.BAD_REQUEST

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload.connector.vllm.worker import PoolSlotsSpec
 from kvoffload.daemon import protocol as p
-from kvoffload.daemon.types import Geometry
+from kvoffload.daemon.types import Geometry, PackedHashes
 from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
     LoadStoreSpec,
     LookupResult,
@@ -166,7 +166,15 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
     # -- lookups --------------------------------------------------------------------
 
     def _query(self, req_id: str, info: RequestInfo) -> p.LookupQuery:
-        return p.LookupQuery(req_id=req_id, block_hashes=info.block_hashes,
+        # Packed hashes cross the wire and decode in constant time (thousands per prompt).
+        try:
+            packed = PackedHashes.pack(info.block_hashes)
+        except ValueError:  # mixed lengths (never with vLLM's hashes): send them one by one
+            return p.LookupQuery(req_id=req_id, block_hashes=list(info.block_hashes),
+                                 num_tokens=info.num_tokens,
+                                 num_prompt_tokens=info.num_prompt_tokens,
+                                 local_tokens=info.local_tokens)
+        return p.LookupQuery(req_id=req_id, hash_blob=packed.blob, hash_bytes=packed.width,
                              num_tokens=info.num_tokens, num_prompt_tokens=info.num_prompt_tokens,
                              local_tokens=info.local_tokens)
 
@@ -214,7 +222,7 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
             if old.parked is not None:
                 old.parked.cancel()
         ans = _Answer(step=self._step, local_tokens=query.local_tokens,
-                      num_hashes=len(query.block_hashes),
+                      num_hashes=len(query.hashes()),
                       boundary=query.local_tokens + a.chunk_tokens,
                       hit=set(a.hit_keys), pending=set(a.pending_keys),
                       pins=dict(zip(a.load_keys, a.slots, strict=False)))
