@@ -31,7 +31,7 @@ from kvoffload.bench.workload import PRESETS, block_hashes
 from kvoffload.connector.client import DaemonClient
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.lookup import chunk_keys, tail_key
-from kvoffload.daemon.types import Geometry
+from kvoffload.daemon.types import Geometry, PackedHashes
 
 __all__ = ["run_lookup_bench"]
 
@@ -130,7 +130,7 @@ def _breakdown(d: EmbeddedDaemon, geometry: Geometry, query: p.LookupQuery,
         from kvoffload.daemon import lookup as lk
 
         status = server.index.status
-        pure = lk.LookupQuery(query.block_hashes, query.num_tokens, query.num_prompt_tokens, 0)
+        pure = lk.LookupQuery(query.hashes(), query.num_tokens, query.num_prompt_tokens, 0)
         # The daemon's request validation, wherever this version keeps it (it moves).
         holders: list[Any] = [svc, getattr(svc, "lookups", None)]
         validate = next((o._validate_query for o in holders if hasattr(o, "_validate_query")),
@@ -208,10 +208,13 @@ def run_lookup_bench(quick: bool = True, *, samples: int | None = None,
     geometry = PRESETS[PRESET].geometry(1e-9)  # 64-byte slots: the index, not the bytes
     hashes = block_hashes(tokens, geometry.tokens_per_hash)
     keys = prompt_keys(geometry, hashes, PROMPT_TOKENS)
-    query = p.LookupQuery(req_id="q", block_hashes=hashes, num_tokens=PROMPT_TOKENS,
-                          num_prompt_tokens=PROMPT_TOKENS)
-    batch = [p.LookupQuery(req_id=str(i), block_hashes=hashes, num_tokens=PROMPT_TOKENS,
-                           num_prompt_tokens=PROMPT_TOKENS) for i in range(BATCH)]
+    # As the plugin sends them: hashes packed into one blob (constant-time decode).
+    packed = PackedHashes.pack(hashes)
+    query = p.LookupQuery(req_id="q", hash_blob=packed.blob, hash_bytes=packed.width,
+                          num_tokens=PROMPT_TOKENS, num_prompt_tokens=PROMPT_TOKENS)
+    batch = [p.LookupQuery(req_id=str(i), hash_blob=packed.blob, hash_bytes=packed.width,
+                           num_tokens=PROMPT_TOKENS, num_prompt_tokens=PROMPT_TOKENS)
+             for i in range(BATCH)]
     say(f"daemons with {small:,} and {big:,} resident blocks")
     t0 = time.perf_counter()
     small_d = _daemon(geometry, keys, small, seed=1)

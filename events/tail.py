@@ -4,6 +4,11 @@
 event's fields by their vLLM names (hashes as JSON ints when ints on the wire, lowercase hex
 strings when bytes). Gap and reset notices go to stderr so stdout stays machine-readable.
 
+Lookup events (our own schema, `--lookup-events` endpoint) are recognised by decoding: a KV
+batch is a msgpack array, a lookup batch a map. Their JSON lines are `seq`, `ts`,
+`schema_version`, `type` ("LookupEvent"), then the event's fields. `--lookup` accepts only
+lookup batches (anything else is skipped as malformed).
+
 The main CLI wires this in with `add_events_parser(subparsers)` and calls `args.handler(args)`;
 `python -m kvoffload.events.tail [events tail] --endpoint ...` works on its own too.
 """
@@ -18,10 +23,22 @@ from typing import Any, TextIO
 
 import msgspec
 
-from .schema import BlockRemoved, BlockStored, EventBatch, KVEvent, to_json_dict
-from .subscriber import EventSubscriber, Gap, Received, Reset
+from .schema import (
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    LookupEvent,
+    LookupEventBatch,
+    MalformedPayload,
+    decode_batch,
+    decode_lookup_batch,
+    to_json_dict,
+)
+from .subscriber import Gap, LookupEventSubscriber, Received, Reset, _Subscriber
 
-__all__ = ["add_events_parser", "format_event", "main", "run_tail", "tail"]
+__all__ = ["add_events_parser", "format_event", "format_lookup_event", "main", "run_tail",
+           "tail"]
 
 _json = msgspec.json.Encoder()
 
@@ -57,6 +74,38 @@ def _json_line(seq: int, batch: EventBatch, event: KVEvent) -> bytes:
     return _json.encode(record)
 
 
+def format_lookup_event(seq: int, batch: LookupEventBatch, event: LookupEvent) -> str:
+    """One human-readable line of a lookup event: the outcome first, then the why."""
+    tail = (f" tail={event.tail_hit_tokens}@{event.tail_boundary}"
+            if event.tail_boundary is not None else "")
+    line = (f"seq={seq} ts={batch.ts:.6f} LookupEvent v{batch.schema_version} "
+            f"{event.outcome} req={event.request_id} ns={event.namespace} "
+            f"prompt={event.prompt_tokens} local={event.local_tokens} hit={event.hit_tokens} "
+            f"chunks={event.chunk_hit_tokens}{tail}")
+    if event.miss_reason is not None:
+        line += f" miss_reason={event.miss_reason}"
+    return line
+
+
+def _lookup_json_line(seq: int, batch: LookupEventBatch, event: LookupEvent) -> bytes:
+    record: dict[str, Any] = {"seq": seq, "ts": batch.ts, "schema_version": batch.schema_version,
+                              "type": type(event).__name__}
+    record.update(msgspec.structs.asdict(event))
+    return _json.encode(record)
+
+
+def _decode_any(payload: bytes) -> EventBatch | LookupEventBatch:
+    """A KV batch (msgpack array) or, failing that, a lookup batch (msgpack map)."""
+    try:
+        return decode_batch(payload)
+    except MalformedPayload:
+        return decode_lookup_batch(payload)
+
+
+class _AnySubscriber(_Subscriber[EventBatch | LookupEventBatch]):
+    _decode = staticmethod(_decode_any)
+
+
 async def tail(
     endpoint: str,
     *,
@@ -64,6 +113,7 @@ async def tail(
     from_seq: int | None = None,
     topic: str = "",
     as_json: bool = False,
+    lookup: bool = False,
     count: int | None = None,
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
@@ -72,7 +122,8 @@ async def tail(
     printed = 0
     if count is not None and count <= 0:
         return 0
-    sub = EventSubscriber(endpoint, replay, topic=topic, from_seq=from_seq, stream="tail")
+    kind = LookupEventSubscriber if lookup else _AnySubscriber
+    sub = kind(endpoint, replay, topic=topic, from_seq=from_seq, stream="tail")
     async with sub:
         async for item in sub:
             if isinstance(item, Gap):
@@ -87,11 +138,18 @@ async def tail(
                 continue
             assert isinstance(item, Received)
             lines = []
-            for event in item.batch.events:
-                if as_json:
-                    lines.append(_json_line(item.seq, item.batch, event).decode())
+            batch = item.batch
+            for event in batch.events:
+                if isinstance(batch, LookupEventBatch):
+                    assert isinstance(event, LookupEvent)
+                    lines.append(_lookup_json_line(item.seq, batch, event).decode() if as_json
+                                 else format_lookup_event(item.seq, batch, event))
+                elif isinstance(event, LookupEvent):  # never inside a KV batch
+                    continue
+                elif as_json:
+                    lines.append(_json_line(item.seq, batch, event).decode())
                 else:
-                    lines.append(format_event(item.seq, item.batch, event))
+                    lines.append(format_event(item.seq, batch, event))
                 printed += 1
                 if count is not None and printed >= count:
                     break
@@ -111,6 +169,7 @@ def run_tail(args: argparse.Namespace) -> int:
         from_seq=args.from_seq,
         topic=args.topic,
         as_json=args.json,
+        lookup=args.lookup,
         count=args.count,
     )
     try:
@@ -139,6 +198,8 @@ def add_events_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default all)")
     p.add_argument("--json", action="store_true", help="one JSON object per event per line")
+    p.add_argument("--lookup", action="store_true",
+                   help="a lookup-event stream (default: recognised per batch)")
     p.add_argument("--count", type=int, default=None, help="exit 0 after N events")
     p.set_defaults(handler=run_tail)
     return events

@@ -157,6 +157,7 @@ def test_snapshot_plus_live_rebuilds_the_daemons_index(tmp_path: Any) -> None:
             expect = Model()
             for payload in final:
                 expect.apply(payload)
+            assert expect.gpu and expect.cpu and final_resume > resume
             assert rebuilt.gpu == expect.gpu and rebuilt.cpu == expect.cpu
             # GPU part: what the engine says is resident; CPU part: the daemon's own index.
             assert set(expect.gpu) == {(g, h) for h, g in engine.resident}
