@@ -117,7 +117,8 @@ def _coerce(key: str, raw: Any, source: str) -> Any:
         if isinstance(raw, str) and source.startswith("environment"):
             # Environment values are strings: convert them the way the field expects.
             if key == "engine_events":
-                return [e for e in raw.split(",") if e]
+                # ";" or whitespace separates engines: "," already pairs EP,REPLAY_EP.
+                return [e for e in re.split(r"[;\s]+", raw) if e]
             if key == "prefault":
                 return raw.lower() in ("1", "true", "yes", "on")
             if _FIELDS[key].type in (int, "int"):

@@ -134,6 +134,8 @@ class DaemonEvents:
         if event is None and item is not None and not item.tail:
             event = self._from_engines(ns, key, slot)
         if event is None:
+            if item is None or item.token_ids is None:
+                self.incomplete.labels("no_tokens").inc()
             self._awaiting[slot] = (ns, key)
             if item is not None and not item.tail:
                 self._awaiting_by_hash.setdefault(hash_to_int(key_hash(key)), set()).add(slot)
@@ -269,8 +271,7 @@ class DaemonEvents:
         group = key_group(key)
         spec = g.groups[group]
         if item is None or item.token_ids is None:
-            self.incomplete.labels("no_tokens").inc()
-            return None
+            return None  # counted by the caller if the engines cannot complete it either
         if item.tail:
             hashes = list(item.block_hashes or [])
             block_size = g.tokens_per_hash
@@ -313,7 +314,8 @@ class DaemonEvents:
 
     # -- lookup events ----------------------------------------------------------------
 
-    def lookup(self, ns: Namespace, q: p.LookupQuery, a: p.LookupAnswer) -> None:
+    def lookup(self, ns: Namespace, q: p.LookupQuery, a: p.LookupAnswer,
+               seconds: float | None = None) -> None:
         if self.lookups is None:
             return
         hit = a.hit_tokens or 0
@@ -331,4 +333,5 @@ class DaemonEvents:
             prompt_tokens=q.num_prompt_tokens, local_tokens=q.local_tokens, hit_tokens=hit,
             chunk_hit_tokens=chunk, tail_hit_tokens=hit - chunk, tail_boundary=a.tail_boundary,
             outcome=outcome,  # type: ignore[arg-type]
-            miss_reason=a.miss_reason if outcome != "hit" else None))
+            miss_reason=a.miss_reason if outcome != "hit" else None,
+            latency_us=None if seconds is None else int(seconds * 1e6)))

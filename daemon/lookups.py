@@ -109,9 +109,10 @@ class LookupHandler:
             return "evicted"
         return "group_missing" if hits else "not_stored"
 
-    def _report(self, ns: Namespace, q: p.LookupQuery, a: p.LookupAnswer) -> None:
+    def _report(self, ns: Namespace, q: p.LookupQuery, a: p.LookupAnswer,
+                started: float) -> None:
         """Count one final answer and publish its lookup event."""
-        self.events.lookup(ns, q, a)
+        self.events.lookup(ns, q, a, time.perf_counter() - started)
         t = self.totals
         t["lookups_total"] += 1
         t["requested_tokens_total"] += q.num_prompt_tokens - q.local_tokens
@@ -132,15 +133,15 @@ class LookupHandler:
             m.lookup_tokens.labels("chunk_hit").inc(a.chunk_tokens)
             m.lookup_tokens.labels("tail_hit").inc(a.hit_tokens - a.chunk_tokens)
 
-    def _lookup_all(self, client: ClientState, msg: p.Lookup, ns: Namespace,
-                    final: bool) -> tuple[list[p.LookupAnswer], list[bytes]]:
+    def _lookup_all(self, client: ClientState, msg: p.Lookup, ns: Namespace, final: bool,
+                    started: float) -> tuple[list[p.LookupAnswer], list[bytes]]:
         answers, waits = [], []
         for q in msg.queries:
             a, deferred = self._lookup_one(client, ns, q, msg.pin)
             answers.append(a)
             waits.extend(deferred)
             if final or a.hit_tokens is not None:
-                self._report(ns, q, a)
+                self._report(ns, q, a, started)
         return answers, waits
 
     def lookup(self, client: ClientState, ns: Namespace,
@@ -148,14 +149,15 @@ class LookupHandler:
         for q in msg.queries:
             self._validate_query(ns, q)
         started = time.perf_counter()
-        answers, waits = self._lookup_all(client, msg, ns, final=msg.wait_ms <= 0)
+        answers, waits = self._lookup_all(client, msg, ns, msg.wait_ms <= 0, started)
         self.metrics.lookup_seconds.observe(time.perf_counter() - started)
         if not waits or msg.wait_ms <= 0:
             return p.LookupReply(rid=msg.rid, answers=answers)
-        return self._lookup_waiting(client, msg, ns, answers, waits)
+        return self._lookup_waiting(client, msg, ns, answers, waits, started)
 
     async def _lookup_waiting(self, client: ClientState, msg: p.Lookup, ns: Namespace,
-                              answers: list[p.LookupAnswer], waits: list[bytes]) -> p._Msg:
+                              answers: list[p.LookupAnswer], waits: list[bytes],
+                              started: float) -> p._Msg:
         """Park on the pending keys' futures; re-run the deferred queries when one resolves."""
         deadline = time.monotonic() + msg.wait_ms / 1000
         while True:
@@ -174,7 +176,7 @@ class LookupHandler:
                             queries=[q for q, a in zip(msg.queries, answers, strict=True)
                                      if a.hit_tokens is None])
             final = time.monotonic() >= deadline
-            new_answers, waits = self._lookup_all(client, redo, ns, final)
+            new_answers, waits = self._lookup_all(client, redo, ns, final, started)
             by_id = {a.req_id: a for a in new_answers}
             answers = [by_id.get(a.req_id, a) if a.hit_tokens is None else a for a in answers]
             if not waits:
@@ -185,5 +187,5 @@ class LookupHandler:
                    if a.hit_tokens is None else a for a in answers]
         for q, a in zip(msg.queries, answers, strict=True):
             if a.miss_reason == "pending":
-                self._report(ns, q, a)
+                self._report(ns, q, a, started)
         return p.LookupReply(rid=msg.rid, answers=answers)

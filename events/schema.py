@@ -272,6 +272,9 @@ class LookupEvent(msgspec.Struct, kw_only=True, gc=False, tag=True):
     tail_boundary: int | None
     outcome: LookupOutcome
     miss_reason: str | None = None
+    # Microseconds from the lookup message's arrival to this answer (waits on futures
+    # included). Added in schema v1 as an optional field: older readers ignore it.
+    latency_us: int | None = None
 
     def __post_init__(self) -> None:
         # Runs on decode too, so a producer bug is caught on both ends.

@@ -40,3 +40,8 @@ def test_bad_file(tmp_path) -> None:
     f.write_text("pool_bytes = [")
     with pytest.raises(ConfigError, match="bad.toml"):
         load_config(f, env={})
+
+
+def test_engine_events_env_keeps_replay_pairs() -> None:
+    cfg = load_config(env={"KVOFFLOAD_ENGINE_EVENTS": "tcp://a:5557,tcp://a:5558; tcp://b:5557"})
+    assert cfg.engine_events == ["tcp://a:5557,tcp://a:5558", "tcp://b:5557"]

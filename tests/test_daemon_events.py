@@ -106,6 +106,7 @@ def test_every_stored_block_is_self_describing_and_removals_match(daemon) -> Non
     assert sum(e.tail_hit_tokens for e in events) == summary["tail_hit_tokens"]
     assert {e.outcome for e in events} <= {"hit", "partial", "miss"}
     assert all(e.miss_reason for e in events if e.outcome == "miss")
+    assert all(e.latency_us is not None and e.latency_us >= 0 for e in events)
 
 
 @pytest.mark.vllm

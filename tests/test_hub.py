@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
+import json
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 import zmq
 from kvoffload.connector.client import DaemonClient
 from kvoffload.events.hub import SNAPSHOT_SEQ, request_snapshot
-from kvoffload.events.publisher import END_SEQ, SEQ
+from kvoffload.events.publisher import END_SEQ, SEQ, LookupEventPublisher
 from kvoffload.events.schema import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     KVEvent,
+    LookupEvent,
     decode_batch,
     encode_batch,
 )
+from kvoffload.events.tail import tail
+from prometheus_client import CollectorRegistry
 
 from tests.daemon_helpers import run_daemon
 from tests.test_daemon_events import replay_all
@@ -179,4 +187,32 @@ def test_snapshot_of_an_empty_hub_and_plain_replay(tmp_path: Any) -> None:
         resume, snap = request_snapshot(d.ready["hub_replay"])
         assert resume == 0 and [decode_batch(pl).events for pl in snap] == [[]]
         assert replay_from(d.ready["hub_replay"], 0) == {}  # ordinary replay still works
-        assert SNAPSHOT_SEQ != SEQ.unpack(END_SEQ)[0]
+        assert SEQ.unpack(END_SEQ)[0] != SNAPSHOT_SEQ
+
+
+async def test_tail_prints_lookup_events_by_decoding() -> None:
+    d = tempfile.mkdtemp(prefix="kvo-")
+    pub = LookupEventPublisher(f"ipc://{d}/l", f"ipc://{d}/lr", registry=CollectorRegistry())
+    await pub.start()
+    try:
+        pub.publish([
+            LookupEvent(request_id="r1", namespace="ns", prompt_tokens=100, local_tokens=16,
+                        hit_tokens=48, chunk_hit_tokens=32, tail_hit_tokens=16,
+                        tail_boundary=96, outcome="partial", miss_reason="tail_not_stored"),
+            LookupEvent(request_id="r2", namespace="ns", prompt_tokens=10, local_tokens=0,
+                        hit_tokens=0, chunk_hit_tokens=0, tail_hit_tokens=0, tail_boundary=None,
+                        outcome="miss", miss_reason="evicted")])
+        await asyncio.sleep(0.05)
+        human, js = io.StringIO(), io.StringIO()
+        for out, as_json, lookup in ((human, False, False), (js, True, True)):
+            await asyncio.wait_for(tail(f"ipc://{d}/l", replay=f"ipc://{d}/lr", from_seq=0,
+                                        as_json=as_json, lookup=lookup, count=2, out=out), 10)
+        lines = human.getvalue().splitlines()
+        assert lines[0].startswith("seq=0 ") and "LookupEvent v1 partial req=r1" in lines[0]
+        assert "tail=16@96" in lines[0] and "miss_reason=evicted" in lines[1]
+        recs = [json.loads(x) for x in js.getvalue().splitlines()]
+        assert recs[1]["type"] == "LookupEvent" and recs[1]["schema_version"] == 1
+        assert recs[1]["miss_reason"] == "evicted" and recs[0]["hit_tokens"] == 48
+    finally:
+        await pub.aclose()
+        shutil.rmtree(d, ignore_errors=True)

@@ -152,11 +152,10 @@ def test_curve_startup_refuses_an_open_secret_key(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     generate(keys, "server")
     (keys / "server.key_secret").chmod(0o644)
-    with pytest.raises(RuntimeError, match="chmod 600"):
-        with run_daemon(tmp_path, "--control", "tcp://127.0.0.1:0", "--curve-server-key",
-                        str(keys / "server.key_secret"), "--curve-client-keys",
-                        str(keys / "server.key")):
-            pass
+    with pytest.raises(RuntimeError, match="chmod 600"), run_daemon(
+            tmp_path, "--control", "tcp://127.0.0.1:0", "--curve-server-key",
+            str(keys / "server.key_secret"), "--curve-client-keys", str(keys / "server.key")):
+        pass
 
 
 # ------------------------------------------------------------------- ipc permissions
