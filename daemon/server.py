@@ -117,6 +117,9 @@ class Server:
         finally:
             os.umask(old)
         self.control_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.config.control.startswith("ipc://"):
+            # A socket file takes the mode 0777 & ~umask = 0700; only read/write matter.
+            os.chmod(self.config.control[len("ipc://"):], 0o600)
         self._sock = sock
 
     async def start(self) -> None:

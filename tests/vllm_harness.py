@@ -23,7 +23,6 @@ The setup follows shared/spec/vllm-on-cpu.md: ``VLLM_TARGET_DEVICE=cpu``, a stub
 from __future__ import annotations
 
 import functools
-import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -40,21 +39,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-@functools.cache
-def vllm_import_error() -> str | None:
-    """None when vLLM 0.33 imports here, else why not (for skip reasons)."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    try:
-        import vllm
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: F401
-            OffloadingConnector,
-        )
-    except Exception as exc:  # any import failure means "no usable vLLM"
-        return f"vLLM cannot be imported: {type(exc).__name__}: {exc}"
-    version = getattr(vllm, "__version__", "?")
-    if not version.startswith("0.33"):
-        return f"these tests pin vLLM 0.33 semantics, found vLLM {version}"
-    return None
+# One check for the whole project: the benchmarks' baseline loader owns it.
+from kvoffload.bench.vllm_baseline import vllm_import_error  # noqa: E402
 
 
 def require_vllm() -> None:
