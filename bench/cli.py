@@ -25,6 +25,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "copy": ("kvoffload.bench.copy", "run_copy_bench"),
     "lookup": ("kvoffload.bench.lookup", "run_lookup_bench"),
     "memory": ("kvoffload.bench.memory", "run_memory_bench"),
+    "load": ("kvoffload.bench.load", "run_load_bench"),
     "hybrid_chat": ("kvoffload.bench.hybrid_chat", "run_hybrid_chat_bench"),
 }
 

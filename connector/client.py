@@ -25,6 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 from kvoffload.daemon import protocol as p
+from kvoffload.daemon.security import CurveClientKeys
 from kvoffload.daemon.types import Geometry, KeyStatus
 
 log = logging.getLogger("kvoffload.connector")
@@ -44,8 +45,12 @@ def _expect(reply: p._Msg, kind: type[R]) -> R:
     return reply
 
 
-def _make_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
+def _make_socket(ctx: zmq.Context[Any], endpoint: str,
+                 curve: CurveClientKeys | None = None) -> zmq.Socket[Any]:
     sock = ctx.socket(zmq.DEALER)
+    curve = curve or CurveClientKeys.from_settings()  # KVOFFLOAD_CURVE_* environment
+    if curve is not None:
+        curve.apply(sock)
     sock.setsockopt(zmq.LINGER, 0)
     # IMMEDIATE: queue nothing for a daemon that is not connected, so a send while it is
     # down fails at once instead of being delivered minutes later to a restarted daemon.
@@ -66,8 +71,10 @@ class DaemonClient:
         timeout_ms: int = 1000,
         name: str = "",
         lease_ms: int | None = None,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = curve
         self.timeout_ms = timeout_ms
         self.name = name or f"client pid {os.getpid()}"
         self.lease_ms = lease_ms
@@ -84,7 +91,7 @@ class DaemonClient:
 
     def _socket(self) -> zmq.Socket[Any]:
         if self._sock is None:
-            self._sock = _make_socket(self._ctx, self.endpoint)
+            self._sock = _make_socket(self._ctx, self.endpoint, self.curve)
         return self._sock
 
     def _reset_socket(self) -> None:
@@ -216,12 +223,13 @@ class DaemonClient:
 class AsyncDaemonClient:
     """asyncio client: concurrent calls on one DEALER, replies matched by rid."""
 
-    def __init__(self, endpoint: str, *, timeout_ms: int = 5000, name: str = "") -> None:
+    def __init__(self, endpoint: str, *, timeout_ms: int = 5000, name: str = "",
+                 curve: CurveClientKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
         self.name = name or f"async client pid {os.getpid()}"
         self._ctx = zmq.asyncio.Context.instance()
-        self._sock = cast(zmq.asyncio.Socket, _make_socket(self._ctx, endpoint))  # type: ignore[arg-type]
+        self._sock = cast(zmq.asyncio.Socket, _make_socket(self._ctx, endpoint, curve))  # type: ignore[arg-type]
         self._rids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[p._Msg]] = {}
         self._reader: asyncio.Task[None] | None = None

@@ -76,6 +76,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_message_bytes: int = 64 << 20
     max_keys_per_request: int = 1 << 16
     max_clients: int = 1024
+    curve_server_key: str | None = None  # daemon secret key file: CURVE on the control socket
+    curve_client_keys: str | None = None  # allow-list: dir of NAME.key files, or one file
 
     def __post_init__(self) -> None:
         if not self.control:
@@ -88,6 +90,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("max_message_bytes", self.max_message_bytes >= 1024, "must be >= 1024"),
             ("max_keys_per_request", self.max_keys_per_request > 0, "must be positive"),
             ("max_clients", self.max_clients > 0, "must be positive"),
+            ("curve_client_keys", bool(self.curve_client_keys) == bool(self.curve_server_key),
+             "and curve_server_key must be set together"),
             ("http", ":" in self.http, "must be HOST:PORT"),
             ("event_hashes", self.event_hashes in ("int", "bytes"), "must be int or bytes"),
             ("control", "://" in self.control, "must be a ZMQ endpoint like ipc:///run/x.sock"),
@@ -104,6 +108,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return host.strip("[]") or "127.0.0.1", int(port)
 
 
+# Read by clients (connector), not by the daemon: never an unknown-setting error.
+_CLIENT_ENV = {"KVOFFLOAD_CURVE_CLIENT_KEY", "KVOFFLOAD_CURVE_SERVER_PUBLIC_KEY"}
 _SIZE_KEYS = {"pool_bytes", "slot_bytes", "max_message_bytes"}
 _FIELDS = {f.name: f for f in msgspec.structs.fields(Config)}
 
@@ -145,7 +151,8 @@ def load_config(
             merged[key] = _coerce(key, raw, f"config file {path}")
             sources[key] = f"config file {path}"
     for name, raw in (os.environ if env is None else env).items():
-        if name.startswith(ENV_PREFIX) and name != f"{ENV_PREFIX}CONFIG":
+        if (name.startswith(ENV_PREFIX) and name != f"{ENV_PREFIX}CONFIG"
+                and name not in _CLIENT_ENV):
             key = name[len(ENV_PREFIX):].lower()
             merged[key] = _coerce(key, raw, f"environment {name}")
             sources[key] = f"environment {name}"

@@ -80,6 +80,10 @@ class BlockIndex:
 
     # -- namespaces -------------------------------------------------------------------
 
+    @property
+    def names(self) -> set[str]:
+        return set(self._by_name)
+
     def namespace(self, geometry: Geometry) -> Namespace:
         """The namespace of ``geometry``; ValueError when its name holds another geometry."""
         ns = self._by_name.get(geometry.namespace)

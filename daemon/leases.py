@@ -10,6 +10,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvoffload.daemon.index import BlockIndex
 
 
 @dataclass(slots=True)
@@ -23,6 +27,24 @@ class ClientState:
 
     def expires_at(self) -> float:
         return self.last_seen + self.lease_ms / 1000
+
+
+def take_pin(index: BlockIndex, client: ClientState, slot: int) -> None:
+    """Pin a slot for a load on behalf of ``client`` (released on completion or expiry)."""
+    index.pin(slot)
+    client.pins[slot] += 1
+
+
+def drop_pin(index: BlockIndex, client: ClientState, slot: int) -> bool:
+    """Release one of ``client``'s pins on ``slot``; False when it held none."""
+    if client.pins[slot] <= 0:
+        client.pins.pop(slot, None)
+        return False
+    client.pins[slot] -= 1
+    if not client.pins[slot]:
+        del client.pins[slot]
+    index.unpin(slot)
+    return True
 
 
 class Leases:

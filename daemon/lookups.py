@@ -19,9 +19,12 @@ from kvoffload.daemon.errors import MAX_KEY_BYTES
 from kvoffload.daemon.errors import bad_request as _bad
 from kvoffload.daemon.index import BlockIndex, Namespace
 from kvoffload.daemon.kv_events import DaemonEvents
-from kvoffload.daemon.leases import ClientState
+from kvoffload.daemon.leases import ClientState, take_pin
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.types import KeyStatus
+
+# A parked lookup holds memory and a future: bound how long a client can make it wait.
+MAX_WAIT_MS = 60_000
 
 
 class LookupHandler:
@@ -34,7 +37,7 @@ class LookupHandler:
 
     def _validate_query(self, ns: Namespace, q: p.LookupQuery) -> None:
         tph = ns.geometry.tokens_per_hash
-        if not 0 <= q.local_tokens <= q.num_tokens or q.num_prompt_tokens > q.num_tokens:
+        if not 0 <= q.local_tokens <= q.num_tokens or not 0 <= q.num_prompt_tokens <= q.num_tokens:
             raise _bad(f"request {q.req_id!r}: need 0 <= local_tokens <= num_tokens and "
                        "num_prompt_tokens <= num_tokens")
         if q.hash_bytes or q.hash_blob:
@@ -88,8 +91,7 @@ class LookupHandler:
                 # Recency is updated when the load completes (complete_load), not here: a
                 # lookup that loads nothing must not reorder the policy.
                 for slot in slots:
-                    self.index.pin(slot)
-                    client.pins[slot] += 1
+                    take_pin(self.index, client, slot)
                 self.metrics.loads.labels("pinned").inc(len(slots))
                 self.metrics.loaded_bytes.inc(len(slots) * self.index.pool.slot_bytes)
             else:
@@ -115,13 +117,14 @@ class LookupHandler:
         self.events.lookup(ns, q, a, time.perf_counter() - started)
         t = self.totals
         t["lookups_total"] += 1
-        t["requested_tokens_total"] += q.num_prompt_tokens - q.local_tokens
+        requested = max(0, q.num_prompt_tokens - q.local_tokens)  # resumed: local > prompt
+        t["requested_tokens_total"] += requested
         if a.hit_tokens:
             t["hit_tokens_total"] += a.hit_tokens
             t["chunk_hit_tokens_total"] += a.chunk_tokens
             t["tail_hit_tokens_total"] += a.hit_tokens - a.chunk_tokens
         m = self.metrics
-        m.lookup_tokens.labels("requested").inc(q.num_prompt_tokens - q.local_tokens)
+        m.lookup_tokens.labels("requested").inc(requested)
         if a.hit_tokens is None:
             m.lookups.labels("deferred").inc()
         elif a.hit_tokens == 0:
@@ -159,7 +162,7 @@ class LookupHandler:
                               answers: list[p.LookupAnswer], waits: list[bytes],
                               started: float) -> p._Msg:
         """Park on the pending keys' futures; re-run the deferred queries when one resolves."""
-        deadline = time.monotonic() + msg.wait_ms / 1000
+        deadline = time.monotonic() + min(msg.wait_ms, MAX_WAIT_MS) / 1000
         while True:
             futures = [f for f in (self.index.wait(ns, k) for k in waits) if f is not None]
             left = deadline - time.monotonic()

@@ -29,6 +29,7 @@ from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.notify import Notifier
 from kvoffload.daemon.pool import Pool
+from kvoffload.daemon.security import CurveGuard, insecure_endpoint_warning
 from kvoffload.daemon.service import Service
 
 log = logging.getLogger("kvoffload.daemon")
@@ -79,6 +80,7 @@ class Server:
         self.accepting = False
         self.control_endpoint = config.control
         self.notifier = Notifier.from_env()
+        self.curve: CurveGuard | None = None
 
     # -- start ------------------------------------------------------------------------
 
@@ -107,7 +109,9 @@ class Server:
         # Hard cap well above the typed-error limit: a peer sending more is disconnected.
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_message_bytes)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        old = os.umask(0o077)  # ipc sockets are created 0600
+        if self.curve is not None:
+            self.curve.configure(sock)  # before bind: CURVE server + ZAP allow-list
+        old = os.umask(0o177)  # ipc sockets are created 0600 (0o077 gave 0700)
         try:
             sock.bind(self.config.control)
         except zmq.ZMQError as exc:
@@ -124,6 +128,14 @@ class Server:
 
     async def start(self) -> None:
         self._lock_ipc()
+        try:
+            self.curve = CurveGuard.from_files(self.config.curve_server_key,
+                                               self.config.curve_client_keys, self._ctx,
+                                               self.metrics.registry)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        if warning := insecure_endpoint_warning(self.config.control, self.curve is not None):
+            log.warning("%s", warning)
         try:
             self.pool.open()
         except OSError as exc:
@@ -214,18 +226,20 @@ class Server:
         while True:
             frames = await self._sock.recv_multipart()
             if len(frames) != 2:
-                self.metrics.protocol_errors.labels(p.ErrorCode.MALFORMED.value).inc()
-                if len(frames) > 2:
+                if len(frames) > 2:  # _reply counts the error
                     await self._reply(frames[0], p.Error(
                         rid=0, code=p.ErrorCode.MALFORMED,
                         message="a request is exactly one msgpack frame"))
                 continue
             identity, payload = frames
-            out = self.answer(identity, payload)
-            if isinstance(out, p._Msg):
-                await self._reply(identity, out)
-            else:
-                self._spawn(self._finish(identity, _salvage_rid(payload), out))
+            try:
+                out = self.answer(identity, payload)
+                if isinstance(out, p._Msg):
+                    await self._reply(identity, out)
+                else:
+                    self._spawn(self._finish(identity, _salvage_rid(payload), out))
+            except Exception:  # whatever one frame does, the receive loop must go on
+                log.exception("unexpected error while serving one frame; continuing")
 
     async def _sweep_leases(self) -> None:
         period = max(0.05, self.config.lease_ms / 4000)
@@ -257,6 +271,8 @@ class Server:
             await asyncio.gather(*self._tasks, *self._loops, return_exceptions=True)
         await self.events.aclose()  # flush what is queued before the sockets go
         await self.http.stop()
+        if self.curve is not None:
+            await self.curve.aclose()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

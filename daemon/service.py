@@ -21,12 +21,15 @@ from kvoffload.daemon.errors import MAX_KEY_BYTES, RequestError
 from kvoffload.daemon.errors import bad_request as _bad
 from kvoffload.daemon.index import BlockIndex, Namespace, SlotState
 from kvoffload.daemon.kv_events import DaemonEvents
-from kvoffload.daemon.leases import ClientState, Leases
+from kvoffload.daemon.leases import ClientState, Leases, drop_pin, take_pin
 from kvoffload.daemon.lookups import LookupHandler
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.types import Geometry, GroupKind, key_group
 
 log = logging.getLogger("kvoffload.daemon")
+
+# Namespaces are never forgotten while the daemon runs: bound what clients can make it keep.
+MAX_NAMESPACES = 4096
 
 
 
@@ -140,6 +143,9 @@ class Service:
                                f"one block of this engine needs {g.slot_bytes()} bytes; pool "
                                f"slots hold {pool.slot_bytes} (set slot_bytes for the largest "
                                "engine on this node)")
+        if g.namespace not in self.index.names and len(self.index.namespaces) >= MAX_NAMESPACES:
+            raise RequestError(p.ErrorCode.TOO_LARGE, f"{MAX_NAMESPACES} namespaces are "
+                               "registered already; engines must share namespaces")
         try:
             ns = self.index.namespace(g)
         except ValueError as exc:
@@ -185,6 +191,8 @@ class Service:
     def prepare_store(self, client: ClientState, msg: p.PrepareStore) -> p.StoreGrant:
         ns = self._ns(msg.engine)
         self._check_keys(ns, [it.key for it in msg.items])
+        if any(not 0 <= it.end_token < 1 << 32 for it in msg.items):  # index stores uint32
+            raise _bad("end_token must be in 0..2**32-1")
         outcomes: list[p.StoreOutcome] = []
         slots: list[int] = []
         evicted: list[bytes] = []
@@ -242,9 +250,8 @@ class Service:
                 slots.append(-1)
                 self.metrics.loads.labels("missing").inc()
                 continue
-            self.index.pin(slot)
+            take_pin(self.index, client, slot)
             self.index.touch(slot)
-            client.pins[slot] += 1
             slots.append(slot)
             self.metrics.loads.labels("pinned").inc()
             self.metrics.loaded_bytes.inc(self.index.pool.slot_bytes)
@@ -257,11 +264,7 @@ class Service:
         done = 0
         for key in msg.keys:
             slot = ns.keys.get(key)
-            if slot is not None and client.pins[slot] > 0:
-                client.pins[slot] -= 1
-                if not client.pins[slot]:
-                    del client.pins[slot]
-                self.index.unpin(slot)
+            if slot is not None and drop_pin(self.index, client, slot):
                 self.index.touch(slot)  # the block was just reused: most recent now
                 done += 1
         self.metrics.loads.labels("completed").inc(done)

@@ -34,6 +34,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--lease-ms", type=int, help="client lease in milliseconds (10000)")
     s.add_argument("--log-format", choices=["text", "json"])
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--curve-server-key", help="daemon secret key file: CURVE on the control "
+                   "socket (see kvoffload keys, docs/security.md)")
+    s.add_argument("--curve-client-keys", help="allowed client public keys: a directory of "
+                   "NAME.key files or one file of z85 keys")
     s.add_argument("--ready-file", help="write {pid, control, http} as JSON here when ready")
     s.set_defaults(handler=_serve)
 
@@ -45,7 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvoffload.daemon.logs import setup_logging
     from kvoffload.daemon.server import StartupError, run
 
-    keys = ["control", "events", "events_replay", "lookup_events", "engine_events",
+    keys = ["curve_server_key", "curve_client_keys", "control", "events", "events_replay", "lookup_events", "engine_events",
             "event_hashes", "http",
             "pool_path", "pool_bytes", "slot_bytes", "state_dir", "policy", "lease_ms",
             "log_format", "log_level", "engine_events_max_tokens", "hub", "hub_replay",
@@ -95,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvoffload.daemon.stats_cli import add_stats_parser
 
     add_stats_parser(sub)
+    from kvoffload.daemon.keys_cli import add_keys_parser
+
+    add_keys_parser(sub)
     try:
         from kvoffload.bench.cli import add_bench_parser
     except ImportError:  # the bench package is optional in minimal installs
