@@ -334,4 +334,14 @@ class DaemonEvents:
             chunk_hit_tokens=chunk, tail_hit_tokens=hit - chunk, tail_boundary=a.tail_boundary,
             outcome=outcome,  # type: ignore[arg-type]
             miss_reason=a.miss_reason if outcome != "hit" else None,
-            latency_us=None if seconds is None else int(seconds * 1e6)))
+            latency_us=None if seconds is None else int(seconds * 1e6),
+            group_outcomes=self._group_outcomes(len(ns.geometry.groups), a)))
+
+    @staticmethod
+    def _group_outcomes(groups: int, a: p.LookupAnswer) -> list[str]:
+        out = ["miss"] * groups
+        for key in a.hit_keys:
+            out[key_group(key)] = "hit"
+        for key in a.pending_keys:
+            out[key_group(key)] = "pending"
+        return out

@@ -275,6 +275,10 @@ class LookupEvent(msgspec.Struct, kw_only=True, gc=False, tag=True):
     # Microseconds from the lookup message's arrival to this answer (waits on futures
     # included). Added in schema v1 as an optional field: older readers ignore it.
     latency_us: int | None = None
+    # Per KV-cache group, in the engine's group order: "hit" (a key of this group was found
+    # ready), "pending" (one is still being written) or "miss" (none of its probed keys was
+    # stored). Optional (schema v1): tells which group made a hybrid request miss.
+    group_outcomes: list[str] | None = None
 
     def __post_init__(self) -> None:
         # Runs on decode too, so a producer bug is caught on both ends.

@@ -107,6 +107,9 @@ def test_every_stored_block_is_self_describing_and_removals_match(daemon) -> Non
     assert {e.outcome for e in events} <= {"hit", "partial", "miss"}
     assert all(e.miss_reason for e in events if e.outcome == "miss")
     assert all(e.latency_us is not None and e.latency_us >= 0 for e in events)
+    assert all(e.group_outcomes is not None and len(e.group_outcomes) == 4 for e in events)
+    assert all(set(e.group_outcomes or []) == {"hit"} for e in events if e.outcome == "hit")
+    assert any("miss" in (e.group_outcomes or []) for e in events if e.outcome == "miss")
 
 
 @pytest.mark.vllm
