@@ -60,6 +60,9 @@ class BlockIndex:
         self.on_ready: list[Listener] = []
         self.on_drop: list[Listener] = []
         self.on_abort: list[Listener] = []
+        # Called only for capacity evictions (not reset/drop), before on_drop and while the
+        # slot still holds the block's bytes: a lower tier (daemon/tiers) copies them out.
+        self.on_evict: list[Listener] = []
         self._size(0)
 
     def _size(self, n: int) -> None:
@@ -129,6 +132,10 @@ class BlockIndex:
         slot = self.pool.alloc()
         if slot is None:
             for victim in self.policy.victims(1, self._evictable):
+                victim_key = self.slot_key[victim]
+                if victim_key is not None:
+                    for listener in self.on_evict:
+                        listener(self.namespaces[self.ns_of[victim]], victim_key, victim)
                 evicted.append(self._forget(victim))
             slot = self.pool.alloc()
             if slot is None:
