@@ -8,7 +8,7 @@ Variants:
   (bench/vllm_baseline.py; its defaults: ``offload_prompt_only``, ``CHUNK_LEVEL``, partial
   tails on); ``vllm_offload_all_tokens`` the same with ``offload_prompt_only=False``;
 * ``ours``: our engine over the daemon (bench/sim.py), tails at prompt end and turn end,
-  cost-aware tails (bench/cost.py); ``ours_cost_off`` the same daemon without them.
+  cost-aware tails (daemon/cost.py); ``ours_cost_off`` the same daemon without them.
 
 Simulated TTFT = recomputed tokens / prefill rate + loaded bytes (full size) / copy rate.
 ``ratio`` = ours' mean TTFT / the better (lower) of the two vLLM variants' mean TTFT.
@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvoffload.bench.cost import TailCost, TimeModel
 from kvoffload.bench.sim import EmbeddedDaemon, OursEngine, Totals, TurnRecord
 from kvoffload.bench.vllm_baseline import vllm_import_error
 from kvoffload.bench.workload import PRESETS, Turn, chat_turns
+from kvoffload.daemon.cost import TailCost, TimeModel
 
 __all__ = ["run_hybrid_chat_bench"]
 

@@ -3,7 +3,7 @@ bits (store policy, per-variant totals, an embedded daemon) the suites use.
 
 The engine does what bench/demo.py's does, minus the bytes (slots are granted and committed,
 nothing is copied: this measures cache decisions, the demo and the copy suite verify bytes):
-one pinned ``Lookup`` per request, an optional cost-aware load decision (bench/cost.py), the
+one pinned ``Lookup`` per request, an optional cost-aware load decision (daemon/cost.py), the
 load's pins released, then a ``PrepareStore`` of every complete chunk of every group over the
 tokens computed (prompt and reply, REQUEST_LEVEL-like: the daemon answers EXISTS for what it
 holds) plus the partial tails at the prompt's end and the turn's end, and a ``CommitStore``.
@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvoffload.bench.cost import TailCost, TimeModel
 from kvoffload.bench.workload import Turn, block_hashes
 from kvoffload.connector.client import DaemonClient
 from kvoffload.daemon import protocol as p
+from kvoffload.daemon.cost import TailCost, TimeModel
 from kvoffload.daemon.types import Geometry, make_key
 
 T = TypeVar("T")

@@ -72,9 +72,13 @@ class DaemonClient:
         name: str = "",
         lease_ms: int | None = None,
         curve: CurveClientKeys | None = None,
+        time_model: tuple[float, float] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.curve = curve
+        # (prefill tokens/s, copy bytes/s) sent with Register: the daemon then neither stores
+        # nor loads partial tails that cannot repay their bytes (cost-aware tails).
+        self.time_model = time_model
         self.timeout_ms = timeout_ms
         self.name = name or f"client pid {os.getpid()}"
         self.lease_ms = lease_ms
@@ -152,7 +156,9 @@ class DaemonClient:
     def register(self, geometry: Geometry, rank: int = 0) -> p.Registered:
         if self.welcome is None:
             self.connect()
-        reply = self.call(p.Register(rid=self.rid(), geometry=geometry, rank=rank))
+        prefill, copy = self.time_model or (0.0, 0.0)
+        reply = self.call(p.Register(rid=self.rid(), geometry=geometry, rank=rank,
+                                     prefill_tokens_per_s=prefill, copy_bytes_per_s=copy))
         self.registered = _expect(reply, p.Registered)
         self._geometry = (geometry, rank)
         return self.registered

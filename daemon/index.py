@@ -18,6 +18,7 @@ from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvoffload.daemon.cost import TailCost
 from kvoffload.daemon.policies import EvictionPolicy, make_policy
 from kvoffload.daemon.pool import Pool
 from kvoffload.daemon.types import Geometry, KeyStatus
@@ -36,6 +37,7 @@ class Namespace:
     id: int
     geometry: Geometry
     keys: dict[bytes, int]
+    cost: TailCost | None = None  # set when an engine registers its time model
 
 
 @dataclass(slots=True, frozen=True)
@@ -161,6 +163,20 @@ class BlockIndex:
         for listener in self.on_ready:
             listener(ns, key, slot)
         return True
+
+    def restore(self, ns: Namespace, key: bytes, slot: int, end_token: int, tail: bool) -> None:
+        """Re-admit a READY block recovered at start (validated; the caller claims its slot).
+
+        No listeners run: the journal already holds it and nothing was published this run.
+        """
+        ns.keys[key] = slot
+        self.state[slot] = SlotState.READY
+        self.n_ready += 1
+        self.ns_of[slot] = ns.id
+        self.end_token[slot] = end_token
+        self.tail[slot] = tail
+        self.slot_key[slot] = key
+        self.policy.on_insert(slot)
 
     def abort(self, ns: Namespace, key: bytes) -> bool:
         slot = ns.keys.get(key)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 
 from kvoffload.daemon import lookup as lk
 from kvoffload.daemon import protocol as p
@@ -73,18 +73,24 @@ class LookupHandler:
                 pending.append(key)
             return s
 
+        hashes = q.hashes()
         try:
-            out = lk.lookup(ns.geometry, lk.LookupQuery(q.hashes(), q.num_tokens,
+            out = lk.lookup(ns.geometry, lk.LookupQuery(hashes, q.num_tokens,
                                                         q.num_prompt_tokens, q.local_tokens),
                             probe)
         except ValueError as exc:  # hashes that cannot cover the request, and the like
             raise _bad(f"request {q.req_id!r}: {exc}") from None
-        slots: list[int] = []
         reason = None
+        if ns.cost is not None and out.tail_boundary is not None and not ns.cost.load_tail(
+                hashes, q.local_tokens, out.chunk_tokens, out.hit_tokens or 0,
+                out.tail_boundary):
+            out, hits = self._decline_tail(ns, q, out, hits, hashes)
+            reason = "tail_below_threshold"
+        slots: list[int] = []
         if out.hit_tokens is None:
             pass
         elif out.hit_tokens == 0:
-            reason = self._miss_reason(ns, q, hits, misses)
+            reason = reason or self._miss_reason(ns, q, hits, misses)
         else:
             slots = [self.index.ready_slot(ns, k) or 0 for k in out.load_keys]
             if pin:
@@ -101,6 +107,23 @@ class LookupHandler:
                                 load_keys=out.load_keys if out.hit_tokens else [], slots=slots,
                                 hit_keys=hits, pending_keys=pending, miss_reason=reason)
         return answer, out.deferred_keys
+
+    def _decline_tail(self, ns: Namespace, q: p.LookupQuery, out: lk.LookupOutcome,
+                      hits: list[bytes], hashes: Sequence[bytes]
+                      ) -> tuple[lk.LookupOutcome, list[bytes]]:
+        """Fall back to the complete-chunk hit when the tail cannot repay its load.
+
+        The tail's keys leave ``hit_keys`` too: a caller answering key by key (vLLM's
+        manager.lookup) would otherwise re-derive the tail from them."""
+        assert out.tail_boundary is not None
+        tph = ns.geometry.tokens_per_hash
+        tail_hash = hashes[out.tail_boundary // tph - 1]
+        hits = [k for k in hits if k[:-4] != tail_hash]
+        chunk = out.chunk_tokens
+        keys = lk.plan_for(ns.geometry).load_keys(hashes, q.local_tokens, chunk, None) \
+            if chunk else []
+        self.metrics.tails_declined.labels("load").inc()
+        return lk.LookupOutcome(chunk, chunk, None, keys, [], out.probes), hits
 
     def _miss_reason(self, ns: Namespace, q: p.LookupQuery, hits: list[bytes],
                      misses: list[bytes]) -> str:

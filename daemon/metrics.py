@@ -69,15 +69,43 @@ class DaemonMetrics:
                                      registry=r)
         self.engines = Gauge("kvoffload_namespaces", "Registered engine namespaces.",
                              registry=r)
+        self.tails_declined = Counter("kvoffload_tails_declined_total",
+                                      "Partial tails that could not repay their load under the "
+                                      "engine's time model, by decision (load, store).",
+                                      ["decision"], registry=r)
+        # Tiers below the pool (daemon/tiers): label `tier` is a fixed name ("disk").
+        self.tier_bytes = Gauge("kvoffload_tier_bytes", "Tier bytes by state (used, total).",
+                                ["tier", "state"], registry=r)
+        self.tier_blocks = Gauge("kvoffload_tier_blocks", "Blocks held by a tier.", ["tier"],
+                                 registry=r)
+        self.tier_ops = Counter("kvoffload_tier_ops_total", "Tier operations (write, "
+                                "write_skipped, write_error, read, read_memory, read_error, "
+                                "eviction).", ["tier", "op"], registry=r)
+        self.tier_corrupt = Counter("kvoffload_tier_corrupt_total", "Tier blocks that failed "
+                                    "a length or checksum check, dropped.", ["tier"], registry=r)
+        self.tier_promotions = Counter("kvoffload_tier_promotions_total", "Promotions into "
+                                       "the pool (started, ok, failed, no_room).",
+                                       ["tier", "outcome"], registry=r)
+        self.tier_read_seconds = Histogram("kvoffload_tier_read_duration_seconds",
+                                           "Time to read one block from a tier.", ["tier"],
+                                           buckets=_LATENCY_BUCKETS, registry=r)
+        self.tier_promote_seconds = Histogram("kvoffload_tier_promote_duration_seconds",
+                                              "From a probe's miss to the promoted block's "
+                                              "commit.", ["tier"], buckets=_LATENCY_BUCKETS,
+                                              registry=r)
+        self.tier_degraded = Gauge("kvoffload_tier_degraded", "1 while a tier fails its I/O "
+                                   "and is skipped by lookups.", ["tier"], registry=r)
         # Start every bounded label at 0 so rate() sees the first increment.
+        for decision in ("load", "store"):
+            self.tails_declined.labels(decision)
         for outcome in ("chunk", "tail", "miss", "deferred"):
             self.lookups.labels(outcome)
         for reason in ("not_stored", "evicted", "group_missing", "pending", "too_short"):
             self.lookup_misses.labels(reason)
         for kind in ("requested", "hit", "chunk_hit", "tail_hit"):
             self.lookup_tokens.labels(kind)
-        for outcome in ("granted", "exists", "no_space", "too_big", "committed", "aborted",
-                        "expired"):
+        for outcome in ("granted", "exists", "no_space", "too_big", "not_worth", "committed",
+                        "aborted", "expired"):
             self.stores.labels(outcome)
         for outcome in ("pinned", "missing", "completed"):
             self.loads.labels(outcome)

@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 from array import array
+from collections.abc import Iterable
 from pathlib import Path
 
 log = logging.getLogger("kvoffload.daemon")
@@ -90,6 +91,11 @@ class Pool:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+
+    def claim(self, slots: Iterable[int]) -> None:
+        """Take slots recovered at start out of the free list (keeps low-first order)."""
+        taken = set(slots)
+        self._free = array("I", (s for s in self._free if s not in taken))
 
     def view(self, slot: int) -> memoryview:
         """The bytes of one slot (for tests and checksums; clients map the file themselves)."""

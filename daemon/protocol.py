@@ -37,6 +37,7 @@ class StoreOutcome(enum.StrEnum):
     EXISTS = "exists"  # already stored (or being stored): nothing to write
     NO_SPACE = "no_space"  # every slot is pinned or pending: refused, nothing blocks
     TOO_BIG = "too_big"  # the engine's block does not fit one pool slot
+    NOT_WORTH = "not_worth"  # a tail whose load would cost more than recomputing its tokens
 
 
 class _Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=False, kw_only=True):
@@ -55,6 +56,11 @@ class Hello(_Msg, tag="hello"):
 class Register(_Msg, tag="register"):
     geometry: Geometry
     rank: int = 0
+    # The engine's time model for cost-aware tails (0 = off): prefill throughput and
+    # host-to-device copy bandwidth. Tails that cannot repay their load are neither stored nor
+    # loaded. Bytes are the geometry's, all TP ranks together.
+    prefill_tokens_per_s: float = 0.0
+    copy_bytes_per_s: float = 0.0
 
 
 class LookupQuery(msgspec.Struct, frozen=True, kw_only=True):

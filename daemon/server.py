@@ -25,6 +25,7 @@ from kvoffload.daemon.config import Config
 from kvoffload.daemon.errors import RequestError
 from kvoffload.daemon.http import HttpServer
 from kvoffload.daemon.index import BlockIndex
+from kvoffload.daemon.journal import Journal, recover_state
 from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.notify import Notifier
@@ -81,6 +82,7 @@ class Server:
         self.control_endpoint = config.control
         self.notifier = Notifier.from_env()
         self.curve: CurveGuard | None = None
+        self.journal: Journal | None = None  # with --state-dir: the index's journal
 
     # -- start ------------------------------------------------------------------------
 
@@ -142,6 +144,10 @@ class Server:
             raise StartupError(str(exc)) from None
         if self.config.slot_bytes:
             self.index.configure(self.config.slot_bytes)
+        if self.config.state_dir:  # warm restart: rebuild and validate before any client
+            self.journal = recover_state(self.config.state_dir, self.index,
+                                         self.metrics.registry, self.config.slot_bytes,
+                                         self.service._block_added)
         self._bind()
         await self.events.start()
         await self.http.start()
@@ -277,6 +283,9 @@ class Server:
             self._sock.close(linger=0)
             self._sock = None
         self._ctx.term()
+        if self.journal is not None:  # drain and snapshot before the pool is unmapped
+            await asyncio.get_running_loop().run_in_executor(None, self.journal.close)
+            self.journal = None
         # Without a state dir nothing can reuse the pool file: give its memory back.
         self.pool.close(remove=self.config.state_dir is None)
         if self._lock_fd is not None:

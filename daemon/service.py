@@ -17,6 +17,7 @@ from typing import Any
 from kvoffload.daemon import lookup as lk
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.config import Config
+from kvoffload.daemon.cost import TailCost, TimeModel
 from kvoffload.daemon.errors import MAX_KEY_BYTES, RequestError
 from kvoffload.daemon.errors import bad_request as _bad
 from kvoffload.daemon.index import BlockIndex, Namespace, SlotState
@@ -150,6 +151,11 @@ class Service:
             ns = self.index.namespace(g)
         except ValueError as exc:
             raise RequestError(p.ErrorCode.GEOMETRY_MISMATCH, str(exc)) from None
+        rates = (msg.prefill_tokens_per_s, msg.copy_bytes_per_s)
+        if not all(0 <= r < float("inf") for r in rates):
+            raise _bad("prefill_tokens_per_s and copy_bytes_per_s must be finite and >= 0")
+        if all(rates):  # the latest engine's time model serves its namespace
+            ns.cost = TailCost(g, TimeModel(*rates))
         self.metrics.engines.set(len(self.index.namespaces))
         self._update_pool_gauges()
         return p.Registered(rid=msg.rid, engine=ns.id, slot_bytes=pool.slot_bytes,
@@ -197,6 +203,13 @@ class Service:
         slots: list[int] = []
         evicted: list[bytes] = []
         for item in msg.items:
+            if item.tail and ns.cost is not None and not ns.cost.admit_tail(item.end_token):
+                # A later hit on this tail would cost more to load than to recompute.
+                outcomes.append(p.StoreOutcome.NOT_WORTH)
+                slots.append(-1)
+                self.metrics.stores.labels("not_worth").inc()
+                self.metrics.tails_declined.labels("store").inc()
+                continue
             got = self.index.prepare(ns, item.key, item.end_token, item.tail)
             evicted.extend(key for victim_ns, key, _ in got.evicted if victim_ns is ns)
             if got.evicted:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 
 import pytest
-from kvoffload.bench.cost import TailCost, TimeModel
 from kvoffload.bench.sim import EmbeddedDaemon, OursEngine, store_items, tail_boundaries
 from kvoffload.bench.vllm_baseline import vllm_import_error
 from kvoffload.bench.workload import PRESETS, Turn, block_hashes, chat_turns
+from kvoffload.daemon.cost import TailCost, TimeModel
 from kvoffload.daemon.lookup import LookupQuery, lookup, plan_for
 from kvoffload.daemon.types import Geometry, GroupKind, GroupSpec, KeyStatus, make_key
 

@@ -242,3 +242,27 @@ def test_packed_hashes_answer_like_a_list(client: DaemonClient) -> None:
     with pytest.raises(p.ProtocolError) as exc:
         client.lookup([bad])
     assert exc.value.code == p.ErrorCode.BAD_REQUEST
+
+
+def test_cost_aware_tails_neither_loaded_nor_stored_when_they_cannot_pay(daemon) -> None:
+    writer = DaemonClient(daemon.control, timeout_ms=5000)
+    writer.register(EXAMPLE)
+    store(writer, [make_key(H[3], 0), make_key(H[3], 1), make_key(H[6], 0), make_key(H[6], 1)])
+    assert writer.lookup([query()])[0].hit_tokens == 28  # no time model: the tail loads
+    # Recomputing is nearly free and copies crawl: no tail can repay its bytes.
+    cheap = DaemonClient(daemon.control, timeout_ms=5000, time_model=(1e12, 1.0))
+    cheap.register(EXAMPLE)
+    ans = cheap.lookup([query()])[0]
+    assert (ans.hit_tokens, ans.tail_boundary) == (16, None)
+    assert ans.load_keys == [make_key(H[3], 0), make_key(H[3], 1)]
+    assert not {make_key(H[6], 0), make_key(H[6], 1)} & set(ans.hit_keys)
+    assert ans.miss_reason == "tail_below_threshold"
+    grant = cheap.prepare_store([p.StoreItem(key=make_key(H[5], 0), end_token=24, tail=True),
+                                 p.StoreItem(key=make_key(H[2], 0), end_token=12, tail=True)])
+    assert grant.outcomes == [p.StoreOutcome.NOT_WORTH] * 2 and grant.slots == [-1, -1]
+    # An engine whose prefill is slow and copies fast: tails pay again.
+    slow = DaemonClient(daemon.control, timeout_ms=5000, time_model=(1.0, 1e12))
+    slow.register(EXAMPLE)
+    assert slow.lookup([query()])[0].hit_tokens == 28
+    for c in (writer, cheap, slow):
+        c.close()

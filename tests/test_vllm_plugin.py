@@ -74,6 +74,23 @@ def test_bad_settings_are_refused() -> None:
                                    "spec_module_path": "kvoffload.connector.vllm"})
     with pytest.raises(ValueError, match="kvoffload_timeout_ms"):
         build_scheduler_connector(plugin_config("ipc:///nowhere", kvoffload_timeout_ms="soon"))
+    with pytest.raises(ValueError, match="set together"):
+        build_scheduler_connector(plugin_config("ipc:///nowhere",
+                                                kvoffload_prefill_tokens_per_s=10_000))
+
+
+def test_time_model_reaches_the_daemon_and_declines_tails(daemon) -> None:  # type: ignore[no-untyped-def]
+    """With a time model under which no tail pays, vLLM's own scan stops at the chunk hit."""
+    conn = build_scheduler_connector(plugin_config(
+        daemon.control, kvoffload_prefill_tokens_per_s=1e12, kvoffload_copy_bytes_per_s=1.0))
+    manager = conn.scheduler.manager
+    req = make_request(list(range(30)), "declined")
+    h = req.block_hashes
+    other = connect(daemon.control, manager.geometry)
+    store(other, keys_at(h, 3) + keys_at(h, 6))
+    conn.on_new_request(req)
+    hit, _ = conn.get_num_new_matched_tokens(req, 0)
+    assert hit == 16  # the tail at 28 is stored, but cannot repay its load
 
 
 def test_worked_example_tail_hit_and_load_job(daemon) -> None:  # type: ignore[no-untyped-def]

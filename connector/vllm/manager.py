@@ -89,6 +89,8 @@ class ManagerSettings:
     policy: str = "request"  # "request" (fixes the vLLM 0.33 tail gap) or "chunk"
     reset_daemon: bool = True  # forward vLLM's reset_cache to the daemon (this namespace)
     known_keys: int = 1 << 16  # keys remembered as stored (not offered again)
+    # (prefill tokens/s, copy bytes/s): the daemon's cost-aware tails; None = off.
+    time_model: tuple[float, float] | None = None
 
 
 class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]

@@ -63,7 +63,18 @@ def manager_settings(extra: Mapping[str, Any]) -> ManagerSettings:
         policy=policy,
         reset_daemon=_setting(extra, "kvoffload_reset_daemon", True, bool),
         known_keys=_setting(extra, "kvoffload_known_keys", 1 << 16, int),
+        time_model=_time_model(extra),
     )
+
+
+def _time_model(extra: Mapping[str, Any]) -> tuple[float, float] | None:
+    """Cost-aware tails: both rates, or neither (off)."""
+    prefill = _setting(extra, "kvoffload_prefill_tokens_per_s", 0.0, float)
+    copy = _setting(extra, "kvoffload_copy_bytes_per_s", 0.0, float)
+    if (prefill > 0) != (copy > 0) or prefill < 0 or copy < 0:
+        raise ValueError("kvoffload_prefill_tokens_per_s and kvoffload_copy_bytes_per_s are "
+                         "set together, both positive")
+    return (prefill, copy) if prefill else None
 
 
 def _from_callers(name: str, predicate: Any, depth: int = 6) -> Any:
@@ -190,7 +201,8 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             from kvoffload.connector.vllm.connector import DaemonLink, DaemonWaiter
 
             client = DaemonClient(self.endpoint, timeout_ms=s.timeout_ms,
-                                  name=f"vllm scheduler {self.config.engine_id} pid {os.getpid()}")
+                                  name=f"vllm scheduler {self.config.engine_id} pid {os.getpid()}",
+                                  time_model=s.time_model)
             link = DaemonLink(client, self.geometry, s.timeout_ms, s.retry_ms)
             waiter = None
             if s.wait_ms > 0:

@@ -1,0 +1,126 @@
+"""Moving blocks between the pool and the tiers below it.
+
+Down: the index tells us (``on_evict``) about a capacity eviction while the slot still holds
+the block; we copy the slot (one memcpy, the slot is reused right after) and hand the copy to
+the first tier, which writes it in the background.
+
+Up: a lookup's probe that finds a key MISS in the pool asks ``probe``. If a tier holds the
+key, a pool slot is reserved through the index's ordinary ``prepare`` (a PENDING entry, like a
+store: it only evicts ready, unpinned blocks), the tier reads into the slot in a thread, and
+``commit`` (or ``abort``) resolves the key's futures: a lookup parked with ``wait_ms`` wakes
+then, one without it finds a HIT next time. No polling. No room in the pool: MISS, the block
+stays in its tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvoffload.daemon.index import BlockIndex, Namespace, SlotState
+from kvoffload.daemon.metrics import DaemonMetrics
+from kvoffload.daemon.tiers.base import BlockMeta, Tier
+from kvoffload.daemon.types import KeyStatus
+
+log = logging.getLogger("kvoffload.daemon")
+
+
+class Promoter:
+    def __init__(self, index: BlockIndex, tiers: list[Tier], metrics: DaemonMetrics,
+                 events: Any = None, on_change: Callable[[], None] | None = None) -> None:
+        self.index = index
+        self.tiers = tiers
+        self.metrics = metrics
+        self.events = events  # DaemonEvents: payload of evicted blocks, events of promoted ones
+        self.on_change = on_change  # pool gauges
+        self._tasks: set[asyncio.Task[None]] = set()
+        index.on_evict.append(self._evicted)
+
+    # -- down -------------------------------------------------------------------------
+
+    def _evicted(self, ns: Namespace, key: bytes, slot: int) -> None:
+        if not self.tiers:
+            return
+        tier = self.tiers[0]
+        if tier.contains(ns, key):  # promoted earlier, still there: same key, same bytes
+            tier.touch(ns, key)
+            return
+        view = self.index.pool.view(slot)
+        try:
+            data = bytes(view)  # the copy must happen now: the slot is reused right after
+        finally:
+            view.release()
+        record = self.events.record_of(slot) if self.events is not None else None
+        meta = BlockMeta(self.index.end_token[slot], bool(self.index.tail[slot]), record)
+        tier.write(ns, key, data, meta)
+
+    # -- up ---------------------------------------------------------------------------
+
+    def probe(self, ns: Namespace, key: bytes) -> KeyStatus:
+        """Status of a key the pool does not hold; starts its promotion when a tier has it."""
+        for tier in self.tiers:
+            if tier.degraded or not tier.contains(ns, key):
+                continue
+            size = tier.block_size(ns, key)
+            if size is not None and size > self.index.pool.slot_bytes:
+                continue  # written under a bigger slot size: cannot come back
+            meta = tier.meta(ns, key) or BlockMeta(0, False)
+            tier.touch(ns, key)  # most recent: the evictions prepare may cause spare it
+            got = self.index.prepare(ns, key, meta.end_token, meta.tail)
+            if got.evicted:
+                self.metrics.evictions.labels(self.index.policy.name, "capacity").inc(
+                    len(got.evicted))
+            if got.slot is None:
+                self.metrics.tier_promotions.labels(tier.name, "no_room").inc()
+                return KeyStatus.HIT_PENDING if got.exists else KeyStatus.MISS
+            self.metrics.tier_promotions.labels(tier.name, "started").inc()
+            task = asyncio.get_running_loop().create_task(
+                self._promote(tier, ns, key, got.slot))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            if self.on_change is not None:
+                self.on_change()
+            return KeyStatus.HIT_PENDING
+        return KeyStatus.MISS
+
+    async def _promote(self, tier: Tier, ns: Namespace, key: bytes, slot: int) -> None:
+        started = time.perf_counter()
+        meta: BlockMeta | None = None
+        view = self.index.pool.view(slot)
+        try:
+            meta = await tier.read_into(ns, key, view)
+        except Exception:
+            log.exception("promotion of a block from the %s tier failed", tier.name)
+        finally:
+            view.release()
+        if ns.keys.get(key) != slot or self.index.state[slot] != SlotState.PENDING:
+            return  # cannot happen today (only we commit it); never touch another's slot
+        if meta is None:
+            self.metrics.tier_promotions.labels(tier.name, "failed").inc()
+            self.index.abort(ns, key)  # parked lookups re-run and see a MISS
+        else:
+            if meta.record is not None and self.events is not None:
+                self.events.restored(slot, meta.record)
+            self.index.commit(ns, key)
+            self.metrics.tier_promotions.labels(tier.name, "ok").inc()
+            self.metrics.tier_promote_seconds.labels(tier.name).observe(
+                time.perf_counter() - started)
+        if self.on_change is not None:
+            self.on_change()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for tier in self.tiers:
+            await tier.start()
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Finish promotions (their threads write into the pool: it must stay mapped until
+        they are done), then close the tiers."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+        for tier in self.tiers:
+            await tier.aclose()
