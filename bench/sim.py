@@ -144,6 +144,14 @@ class OursEngine:
         self.cost_aware = cost_aware
         self.totals = Totals(cost.model)
         self._n = 0
+        if cost_aware:
+            # The daemon decides (daemon/cost.py, the product's own code path): register the
+            # time model with the copy rate scaled like the daemon-side bytes, so its
+            # decisions on scaled slots equal the full-size ones.
+            scale = geometry.groups[0].bytes_per_block / cost.geometry.groups[0].bytes_per_block
+            client.time_model = (cost.model.prefill_tokens_per_s,
+                                 cost.model.copy_bytes_per_s * scale)
+            client.register(geometry)
 
     def run_turn(self, turn: Turn) -> TurnRecord:
         g, client, cost = self.geometry, self.client, self.cost
@@ -159,23 +167,13 @@ class OursEngine:
                               num_prompt_tokens=n)
         ans = client.lookup([query], pin=True)[0]
         hit, chunk, keys = ans.hit_tokens or 0, ans.chunk_tokens, list(ans.load_keys)
-        declined = False
-        if (self.cost_aware and ans.tail_boundary is not None
-                and not cost.load_tail(prompt_hashes, 0, chunk, hit, ans.tail_boundary)):
-            declined = True
-            hit = chunk
-            keys = cost.plan.load_keys(prompt_hashes, 0, chunk, None) if chunk else []
-            # The chunk-only hit's recurrent states were hits of this lookup, not pinned.
-            extra = [k for k in keys if k not in set(ans.load_keys)]
-            if extra:
-                client.pin_load(extra)
-            if ans.load_keys or extra:
-                client.complete_load(list(ans.load_keys) + extra)
-        elif ans.load_keys:
+        if ans.load_keys:
             client.complete_load(ans.load_keys)  # "copied": release the pins
+        declined = ans.miss_reason == "tail_below_threshold"
         rec = TurnRecord(n, hit, min(chunk, hit) if hit else 0, cost.load_bytes(keys),
                          lookup_calls=1, tail_declined=declined)
-        admit = cost.admit_tail if self.cost_aware else None
+        # Tails that cannot pay come back NOT_WORTH from the daemon when cost-aware.
+        admit = None
         items = store_items(g, hashes, n, tails=self.tails, admit=admit)
         grant = client.prepare_store(items)
         written = [it.key for it, o in zip(items, grant.outcomes, strict=True)

@@ -69,6 +69,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     slot_bytes: int = 0  # 0: taken from the first engine that registers
     prefault: bool = True
     state_dir: str | None = None
+    disk_dir: str | None = None  # local disk tier for blocks evicted from the pool
+    disk_bytes: int = 0  # its size bound; must be > 0 with disk_dir
     log_format: LogFormat = LogFormat.TEXT
     log_level: str = "info"
     policy: str = "lru"
@@ -90,6 +92,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("max_message_bytes", self.max_message_bytes >= 1024, "must be >= 1024"),
             ("max_keys_per_request", self.max_keys_per_request > 0, "must be positive"),
             ("max_clients", self.max_clients > 0, "must be positive"),
+            ("disk_bytes", self.disk_bytes >= 0 and
+             (self.disk_dir is None or self.disk_bytes > 0),
+             "must be positive when disk_dir is set"),
             ("curve_client_keys", bool(self.curve_client_keys) == bool(self.curve_server_key),
              "and curve_server_key must be set together"),
             ("http", ":" in self.http, "must be HOST:PORT"),
@@ -110,7 +115,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 # Read by clients (connector), not by the daemon: never an unknown-setting error.
 _CLIENT_ENV = {"KVOFFLOAD_CURVE_CLIENT_KEY", "KVOFFLOAD_CURVE_SERVER_PUBLIC_KEY"}
-_SIZE_KEYS = {"pool_bytes", "slot_bytes", "max_message_bytes"}
+_SIZE_KEYS = {"pool_bytes", "slot_bytes", "max_message_bytes", "disk_bytes"}
 _FIELDS = {f.name: f for f in msgspec.structs.fields(Config)}
 
 

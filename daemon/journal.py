@@ -175,7 +175,8 @@ def load_state(state_dir: Path) -> State:
         state.apply(rec)
     journal, bad = read_records(state_dir / JOURNAL)
     if journal and journal[0][0] == "H" and len(journal[0]) == 5:
-        if journal[0][2] == state.epoch and (not snap or journal[0][3] == state.slot_bytes):
+        # A fresh daemon's first snapshot has no slot size yet (no engine had registered).
+        if journal[0][2] == state.epoch and state.slot_bytes in (0, journal[0][3]):
             state.skipped += bad
             for rec in journal:
                 state.apply(rec)

@@ -25,6 +25,7 @@ reject batches holding unknown event types, so the two streams never mix.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from array import array
 from collections import OrderedDict
@@ -83,6 +84,10 @@ class DaemonEvents:
         self._resident: dict[int, StoredRecord] = {}
         self._tokens: dict[tuple[Any, ...], list[Any]] = {}  # hashes -> [array, refs]
         self._evicted: OrderedDict[bytes, None] = OrderedDict()
+        # Set by the disk tier: keep each resident block's record (as for the hub) so an
+        # evicted block's STORAGE event, and its CPU event when promoted back, can be told.
+        self.keep_payloads = False
+        self._restored: dict[int, StoredRecord] = {}  # slot -> record of a promotion
         self.incomplete = Counter("kvoffload_events_incomplete_total",
                                   "Stores whose event could not carry a full payload, by "
                                   "reason (no_tokens, bad_length, overflow).", ["reason"],
@@ -125,10 +130,16 @@ class DaemonEvents:
     def forget(self, slot: int) -> None:
         """A prepared store was aborted: nothing was published, nothing to remove."""
         self._payloads.pop(slot, None)
+        self._restored.pop(slot, None)
 
     def stored(self, ns: Namespace, key: bytes, slot: int) -> None:
         item = self._payloads.pop(slot, None)
+        restored = self._restored.pop(slot, None)
         if not self.enabled:
+            return
+        if restored is not None:  # promoted from a tier: the event it had before eviction
+            self._publish_stored(slot, key, dataclasses.replace(
+                restored, medium="CPU", locality="LOCAL").to_event())
             return
         event = self._block_stored(ns, key, slot, item)
         if event is None and item is not None and not item.tail:
@@ -167,7 +178,7 @@ class DaemonEvents:
     def _publish_stored(self, slot: int, key: bytes, event: BlockStored) -> None:
         if event.block_hashes != [self._hash(key_hash(key))]:
             self._listed[slot] = list(event.block_hashes)
-        if self.hub is not None:
+        if self.hub is not None or self.keep_payloads:
             listed = tuple(event.block_hashes)
             shared = self._tokens.get(listed)
             if shared is None or shared[0].tolist() != event.token_ids:
@@ -311,6 +322,25 @@ class DaemonEvents:
 
     def was_evicted(self, key: bytes) -> bool:
         return key in self._evicted
+
+    # -- tiers below the pool (daemon/tiers) --------------------------------------------
+
+    def record_of(self, slot: int) -> StoredRecord | None:
+        """What the published BlockStored of a resident block said (None: not published)."""
+        return self._resident.get(slot)
+
+    def restored(self, slot: int, record: StoredRecord) -> None:
+        """A promotion into ``slot`` is about to commit: announce it as its record says."""
+        self._restored[slot] = record
+
+    def storage_stored(self, record: StoredRecord) -> None:
+        if self.enabled:
+            self._emit(dataclasses.replace(record, medium="STORAGE", locality="LOCAL").to_event())
+
+    def storage_removed(self, hashes: list[Any], group: int) -> None:
+        if self.enabled:
+            self._emit(BlockRemoved(block_hashes=hashes, medium="STORAGE", group_idx=group,
+                                    locality="LOCAL"))
 
     # -- lookup events ----------------------------------------------------------------
 

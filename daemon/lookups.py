@@ -21,6 +21,7 @@ from kvoffload.daemon.index import BlockIndex, Namespace
 from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.leases import ClientState, take_pin
 from kvoffload.daemon.metrics import DaemonMetrics
+from kvoffload.daemon.tiers.promote import Promoter
 from kvoffload.daemon.types import KeyStatus
 
 # A parked lookup holds memory and a future: bound how long a client can make it wait.
@@ -34,6 +35,8 @@ class LookupHandler:
         self.metrics = metrics
         self.events = events
         self.totals = totals
+        # daemon/tiers Promoter, when a tier is configured: asked about keys the pool misses.
+        self.tiers: Promoter | None = None
 
     def _validate_query(self, ns: Namespace, q: p.LookupQuery) -> None:
         tph = ns.geometry.tokens_per_hash
@@ -62,9 +65,12 @@ class LookupHandler:
         pending: list[bytes] = []
         misses: list[bytes] = []
         status = self.index.status
+        tiers = self.tiers
 
         def probe(key: bytes) -> KeyStatus:
             s = status(ns, key)
+            if s is KeyStatus.MISS and tiers is not None:
+                s = tiers.probe(ns, key)  # a tier holds it: promotion started, HIT_PENDING
             if s is KeyStatus.HIT:
                 hits.append(key)
             elif s is KeyStatus.MISS:

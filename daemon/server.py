@@ -32,6 +32,8 @@ from kvoffload.daemon.notify import Notifier
 from kvoffload.daemon.pool import Pool
 from kvoffload.daemon.security import CurveGuard, insecure_endpoint_warning
 from kvoffload.daemon.service import Service
+from kvoffload.daemon.tiers import Promoter
+from kvoffload.daemon.tiers.disk import DiskTier
 
 log = logging.getLogger("kvoffload.daemon")
 
@@ -71,6 +73,13 @@ class Server:
                                    hub=config.hub, hub_replay=config.hub_replay,
                                    hub_buffer_batches=config.hub_buffer_batches)
         self.service = Service(config, self.index, self.metrics, self.events)
+        self.tiers: Promoter | None = None  # with --disk-dir: the disk tier below the pool
+        if config.disk_dir:
+            self.events.keep_payloads = True  # evicted blocks keep their event on disk
+            disk = DiskTier(config.disk_dir, config.disk_bytes, self.metrics, self.events)
+            self.tiers = Promoter(self.index, [disk], self.metrics, self.events,
+                                  self.service._update_pool_gauges)
+            self.service.lookups.tiers = self.tiers
         self.http = HttpServer(*config.http_host_port, self.metrics.registry, self.readiness)
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
@@ -148,6 +157,11 @@ class Server:
             self.journal = recover_state(self.config.state_dir, self.index,
                                          self.metrics.registry, self.config.slot_bytes,
                                          self.service._block_added)
+        if self.tiers is not None:  # find the blocks a previous run left on disk
+            try:
+                await self.tiers.start()
+            except OSError as exc:
+                raise StartupError(f"disk tier {self.config.disk_dir}: {exc}") from None
         self._bind()
         await self.events.start()
         await self.http.start()
@@ -275,6 +289,8 @@ class Server:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self._tasks, *self._loops, return_exceptions=True)
+        if self.tiers is not None:  # promotions write into the pool: finish them first
+            await self.tiers.aclose()
         await self.events.aclose()  # flush what is queued before the sockets go
         await self.http.stop()
         if self.curve is not None:

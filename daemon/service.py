@@ -25,7 +25,7 @@ from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.leases import ClientState, Leases, drop_pin, take_pin
 from kvoffload.daemon.lookups import LookupHandler
 from kvoffload.daemon.metrics import DaemonMetrics
-from kvoffload.daemon.types import Geometry, GroupKind, key_group
+from kvoffload.daemon.types import Geometry, GroupKind, KeyStatus, key_group
 
 log = logging.getLogger("kvoffload.daemon")
 
@@ -190,7 +190,11 @@ class Service:
     def probe(self, client: ClientState, msg: p.Probe) -> p.ProbeReply:
         ns = self._ns(msg.engine)
         self._check_keys(ns, msg.keys)
-        return p.ProbeReply(rid=msg.rid, statuses=[self.index.status(ns, k) for k in msg.keys])
+        statuses = [self.index.status(ns, k) for k in msg.keys]
+        if self.lookups.tiers is not None:  # keys a lower tier holds: promotion starts
+            statuses = [self.lookups.tiers.probe(ns, k) if s is KeyStatus.MISS else s
+                        for k, s in zip(msg.keys, statuses, strict=True)]
+        return p.ProbeReply(rid=msg.rid, statuses=statuses)
 
     # -- stores -----------------------------------------------------------------------
 

@@ -30,6 +30,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--pool-bytes", help="pool size, e.g. 64GiB")
     s.add_argument("--slot-bytes", help="bytes per pool slot (default: first engine's block)")
     s.add_argument("--state-dir", help="directory for state that survives restarts")
+    s.add_argument("--disk-dir", help="local disk tier: directory for blocks evicted from "
+                   "the pool")
+    s.add_argument("--disk-bytes", help="size bound of the disk tier, e.g. 1TiB")
     s.add_argument("--policy", choices=["lru", "arc"], help="eviction policy (lru)")
     s.add_argument("--lease-ms", type=int, help="client lease in milliseconds (10000)")
     s.add_argument("--log-format", choices=["text", "json"])
@@ -53,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
             "event_hashes", "http",
             "pool_path", "pool_bytes", "slot_bytes", "state_dir", "policy", "lease_ms",
             "log_format", "log_level", "engine_events_max_tokens", "hub", "hub_replay",
-            "hub_buffer_batches"]
+            "hub_buffer_batches", "disk_dir", "disk_bytes"]
     try:
         config = load_config(args.config or os.environ.get("KVOFFLOAD_CONFIG"),
                              flags={k: getattr(args, k) for k in keys})

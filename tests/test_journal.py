@@ -80,8 +80,8 @@ def test_round_trip_with_drops(tmp_path: Path, pool_path: str) -> None:
 def test_kill_without_close_keeps_flushed_records(tmp_path: Path, pool_path: str) -> None:
     """No close(): what the writer thread flushed (every flush_ms) is recovered."""
     index = make_index(pool_path)
-    index.configure(SLOT)
     journal = jn.recover_state(tmp_path, index, CollectorRegistry())
+    index.configure(SLOT)  # as the first engine's registration does, after the start
     keys = fill(index, 10)
     deadline = time.monotonic() + 5
     while journal.written < 10 and time.monotonic() < deadline:

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
 from kvoffload.daemon.index import Namespace
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.tiers.base import BlockMeta, Tier, TierStats
