@@ -10,21 +10,17 @@ Full run: 64 clients x 60 s (the issue's bar); quick: 16 clients x 5 s.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
-import os
 import random
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvoffload.bench.proc import daemon_process
 from kvoffload.connector.client import AsyncDaemonClient
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.types import Geometry, GroupKind, GroupSpec, make_key
@@ -66,40 +62,6 @@ def metric_sum(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], na
     """Sum of every sample of ``name`` whose labels include ``labels``."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
-
-
-@contextlib.contextmanager
-def daemon_process(*args: str, pool_bytes: int = 64 << 20, slot_bytes: int = 1024,
-                   env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[bytes],
-                                                                         dict[str, Any]]]:
-    """A ``kvoffload serve`` subprocess on a private ipc endpoint; yields (proc, ready info)."""
-    with tempfile.TemporaryDirectory(prefix="kvo-load-") as tmp:
-        ready = Path(tmp) / "ready.json"
-        pool_path = f"/dev/shm/kvoffload-load-{os.getpid()}-{random.getrandbits(32):08x}"
-        cmd = [sys.executable, "-m", "kvoffload", "serve", "--control",
-               f"ipc://{tmp}/control.sock", "--http", "127.0.0.1:0", "--pool-path", pool_path,
-               "--pool-bytes", str(pool_bytes), "--slot-bytes", str(slot_bytes),
-               "--log-level", "warning", "--ready-file", str(ready), *args]
-        log = open(Path(tmp) / "daemon.log", "wb")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, **(env or {})})
-        try:
-            deadline = time.monotonic() + 60
-            while not ready.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("daemon did not start: "
-                                       f"{(Path(tmp) / 'daemon.log').read_text()[-2000:]}")
-                time.sleep(0.02)
-            yield proc, json.loads(ready.read_text())
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(pool_path)
 
 
 # ---------------------------------------------------------------------------- the workload

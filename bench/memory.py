@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvoffload.bench.proc import daemon_process
 from kvoffload.bench.workload import PRESETS
 from kvoffload.connector.client import DaemonClient
 from kvoffload.daemon import protocol as p
@@ -91,23 +90,10 @@ def daemon_rss(sizes: Sequence[int], progress: Callable[[str], None] | None = No
     say = progress or (lambda _msg: None)
     geometry: Geometry = PRESETS["qwen3.6-27b-tp1"].geometry(1e-9)
     top = max(sizes)
-    with tempfile.TemporaryDirectory(prefix="kvo-bench-rss-") as tmp:
-        ready = Path(tmp) / "ready.json"
-        pool_path = f"/dev/shm/kvoffload-bench-rss-{os.getpid()}"
-        cmd = [sys.executable, "-m", "kvoffload", "serve", "--control",
-               f"ipc://{tmp}/control.sock", "--http", "127.0.0.1:0", "--pool-path", pool_path,
-               "--pool-bytes", str(SLOT * (top + 16)), "--slot-bytes", str(SLOT),
-               "--lease-ms", "600000", "--log-level", "warning", "--ready-file", str(ready)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        client: DaemonClient | None = None
+    client: DaemonClient | None = None
+    with daemon_process("--lease-ms", "600000", pool_bytes=SLOT * (top + 16),
+                        slot_bytes=SLOT) as (proc, info):
         try:
-            deadline = time.monotonic() + 60
-            while not ready.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
-                    raise RuntimeError(f"daemon did not start: {err[-500:]}")
-                time.sleep(0.05)
-            info = json.loads(ready.read_text())
             client = DaemonClient(info["control"], timeout_ms=120_000, name="bench memory")
             client.register(geometry)
             rss = {"0": _rss_anon(proc.pid)}
@@ -130,14 +116,6 @@ def daemon_rss(sizes: Sequence[int], progress: Callable[[str], None] | None = No
         finally:
             if client is not None:
                 client.close()
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if os.path.exists(pool_path):
-                os.unlink(pool_path)
 
 
 def run_memory_bench(quick: bool = True, *, sizes: Sequence[int] | None = None,

@@ -21,6 +21,7 @@ describes the bytes the committed block had.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import struct
@@ -308,6 +309,7 @@ class Journal:
         self._last_fsync = 0.0
         self._dirty = False
         self.written = 0  # commit records written (for tests and logs)
+        self.failed = False  # the state disk failed: journaling stopped, nothing is queued
 
     # -- event loop side: O(1) per event, never touches the disk ------------------------
 
@@ -318,6 +320,8 @@ class Journal:
         index.on_abort.append(self._on_abort)
 
     def _on_ready(self, ns: Namespace, key: bytes, slot: int) -> None:
+        if self.failed:
+            return
         if ns.id not in self._known_ns:
             self._known_ns.add(ns.id)
             self._queue.append(("N", ns.id, _enc.encode(ns.geometry)))
@@ -328,7 +332,8 @@ class Journal:
 
     def _on_drop(self, ns: Namespace, key: bytes, slot: int) -> None:
         self._gen[slot] = self._gen.get(slot, 0) + 1  # before the slot can be handed out again
-        self._queue.append(("D", ns.id, key, slot))
+        if not self.failed:
+            self._queue.append(("D", ns.id, key, slot))
 
     def _on_abort(self, ns: Namespace, key: bytes, slot: int) -> None:
         self._gen[slot] = self._gen.get(slot, 0) + 1
@@ -378,7 +383,13 @@ class Journal:
                 # A full or broken state disk must not take the cache down: stop journaling
                 # (the next start recovers what was written) and say so once.
                 log.exception("journal write failed: warm restart state is no longer updated")
+                self.failed = True
+                self._queue.clear()
                 self._close_fd()
+                # The files on disk may now miss drops: make sure the next start trusts none.
+                for name in (SNAPSHOT, JOURNAL):
+                    with contextlib.suppress(OSError):
+                        (self.dir / name).unlink()
                 return
 
     def _flush(self) -> None:

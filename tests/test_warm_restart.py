@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 from kvoffload.bench.demo import block_content
-from kvoffload.bench.workload import PRESETS
 from kvoffload.connector.client import DaemonClient, DaemonUnavailable
 from kvoffload.daemon import journal as jn
 from kvoffload.daemon import protocol as p
@@ -73,6 +72,7 @@ def test_sigterm_warm_restart_keeps_99_percent(tmp_path: Path) -> None:
             hits += sum(s == KeyStatus.HIT for s in c.probe(keys))
             c.close()
         assert hits >= 0.99 * ready_before, (hits, ready_before)
+        print(f"restart hit ratio {hits}/{ready_before} = {hits / ready_before:.4f}")
         again = demo(d.control, "--requests", "150")
         assert again["verify_failures"] == 0 and again["errors"] == 0
         assert again["hit_tokens"] > first["hit_tokens"]  # the first turns hit now too
@@ -211,6 +211,5 @@ def test_kill9_with_concurrent_clients(tmp_path: Path) -> None:
         assert total["hit_up"] > 0 and total["unavailable_down"] > 0, total
         assert total["hit_back"] > 0, total  # reconnected by themselves; hits resumed
         assert metric(d, "recovered") > 0  # blocks committed before the crash came back
-        print(dict(total), metric(d, "recovered"), metric(d, "discarded"))
         # A step is at most 4 calls; each is bounded by the client's timeout.
         assert max(w.longest_call for w in workers) < 4 * TIMEOUT_MS / 1000 + 0.5

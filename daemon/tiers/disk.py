@@ -290,8 +290,8 @@ class DiskTier(Tier):
         victims = []
         free = s.capacity_bytes - s.used_bytes
         for k, e in self._entries.items():  # oldest first
-            if e.busy or e.data is not None:
-                continue  # being read, or its write is in flight
+            if e.busy:
+                continue  # being read (a write in flight may go: its unlink queues behind it)
             victims.append((k, e))
             free += e.size
             if free >= size:
