@@ -192,18 +192,24 @@ class LookupHandler:
                               started: float) -> p._Msg:
         """Park on the pending keys' futures; re-run the deferred queries when one resolves."""
         deadline = time.monotonic() + min(msg.wait_ms, MAX_WAIT_MS) / 1000
+        # Keys can resolve between the first pass and this task's first step (a promotion's
+        # read finishing in a thread): with no future left, look again once, do not give up.
+        look_again = True
         while True:
             futures = [f for f in (self.index.wait(ns, k) for k in waits) if f is not None]
             left = deadline - time.monotonic()
-            if not futures or left <= 0:
+            if left <= 0 or (not futures and not look_again):
                 break
-            self.metrics.futures_waiting.inc()
-            try:
-                await asyncio.wait(futures, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                self.metrics.futures_waiting.dec()
-                for f in futures:
-                    f.cancel()
+            look_again = bool(futures)
+            if futures:
+                self.metrics.futures_waiting.inc()
+                try:
+                    await asyncio.wait(futures, timeout=left,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    self.metrics.futures_waiting.dec()
+                    for f in futures:
+                        f.cancel()
             redo = p.Lookup(rid=msg.rid, engine=msg.engine, pin=msg.pin,
                             queries=[q for q, a in zip(msg.queries, answers, strict=True)
                                      if a.hit_tokens is None])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from kvoffload.daemon import journal as jn
+from kvoffload.daemon import journal_state as js
 from kvoffload.daemon.index import BlockIndex
 from kvoffload.daemon.pool import Pool
 from kvoffload.daemon.types import Geometry, GroupKind, GroupSpec, make_key
@@ -88,7 +89,7 @@ def test_kill_without_close_keeps_flushed_records(tmp_path: Path, pool_path: str
         time.sleep(0.01)
     journal._compact = lambda: None  # type: ignore[method-assign]  # the "crash": no snapshot
     journal.close()
-    assert (tmp_path / jn.JOURNAL).exists()
+    assert (tmp_path / js.JOURNAL).exists()
     fresh, reg = restart(tmp_path, index, pool_path)
     assert set(fresh.namespace(GEOM).keys) == set(keys)
     assert recovered(reg, "recovered") == 10
@@ -106,28 +107,28 @@ def test_compaction_and_epochs(tmp_path: Path, pool_path: str) -> None:
     for key in keys[:25]:
         index.drop(ns, key)
     journal.close()
-    state = jn.load_state(tmp_path)
+    state = js.load_state(tmp_path)
     assert {k for _, k in state.live} == set(keys[25:])
-    assert not (tmp_path / jn.JOURNAL).exists()  # close compacts into the snapshot
+    assert not (tmp_path / js.JOURNAL).exists()  # close compacts into the snapshot
     # A journal of an older epoch (crash between snapshot rename and journal reset) is ignored.
-    (tmp_path / jn.JOURNAL).write_bytes(
-        jn.frame(["H", jn.VERSION, state.epoch - 1, SLOT, 64 * SLOT])
-        + jn.frame(["D", 0, keys[26], ns.keys.get(keys[26], 0)]))
-    assert {k for _, k in jn.load_state(tmp_path).live} == set(keys[25:])
+    (tmp_path / js.JOURNAL).write_bytes(
+        js.frame(["H", js.VERSION, state.epoch - 1, SLOT, 64 * SLOT])
+        + js.frame(["D", 0, keys[26], ns.keys.get(keys[26], 0)]))
+    assert {k for _, k in js.load_state(tmp_path).live} == set(keys[25:])
 
 
 def _journal_file(tmp_path: Path, records: list[list[object]]) -> bytes:
-    data = jn.frame(["H", jn.VERSION, 0, SLOT, 64 * SLOT])
-    data += b"".join(jn.frame(r) for r in records)
-    (tmp_path / jn.JOURNAL).write_bytes(data)
+    data = js.frame(["H", js.VERSION, 0, SLOT, 64 * SLOT])
+    data += b"".join(js.frame(r) for r in records)
+    (tmp_path / js.JOURNAL).write_bytes(data)
     return data
 
 
 def test_truncated_tail_record_ignored(tmp_path: Path) -> None:
     recs: list[list[object]] = [["C", 0, b"k%d" % i, i, 16, False, 0] for i in range(5)]
     data = _journal_file(tmp_path, recs)
-    (tmp_path / jn.JOURNAL).write_bytes(data[:-3])  # crash in the middle of the last write
-    state = jn.load_state(tmp_path)
+    (tmp_path / js.JOURNAL).write_bytes(data[:-3])  # crash in the middle of the last write
+    state = js.load_state(tmp_path)
     assert sorted(e.slot for e in state.live.values()) == [0, 1, 2, 3]
     assert state.skipped == 1
 
@@ -135,10 +136,10 @@ def test_truncated_tail_record_ignored(tmp_path: Path) -> None:
 def test_corrupt_record_ignored(tmp_path: Path) -> None:
     recs: list[list[object]] = [["C", 0, b"k%d" % i, i, 16, False, 0] for i in range(5)]
     data = bytearray(_journal_file(tmp_path, recs))
-    second = len(jn.frame(["H", jn.VERSION, 0, SLOT, 64 * SLOT])) + len(jn.frame(recs[0]))
+    second = len(js.frame(["H", js.VERSION, 0, SLOT, 64 * SLOT])) + len(js.frame(recs[0]))
     data[second + 12] ^= 0xFF  # a flipped bit inside record 1's payload
-    (tmp_path / jn.JOURNAL).write_bytes(bytes(data))
-    state = jn.load_state(tmp_path)
+    (tmp_path / js.JOURNAL).write_bytes(bytes(data))
+    state = js.load_state(tmp_path)
     assert sorted(e.slot for e in state.live.values()) == [0, 2, 3, 4]
     assert state.skipped == 1
 
@@ -176,6 +177,6 @@ def test_checksum_voided_when_slot_dropped_meanwhile(tmp_path: Path, pool_path: 
     keys = fill(index, 2)
     index.drop(index.namespace(GEOM), keys[0])  # before the writer ran
     journal.close()
-    assert {k for _, k in jn.load_state(tmp_path).live} == {keys[1]}
+    assert {k for _, k in js.load_state(tmp_path).live} == {keys[1]}
     assert journal.written == 1
     index.pool.close(remove=True)

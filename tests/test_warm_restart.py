@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from kvoffload.bench.demo import block_content
 from kvoffload.connector.client import DaemonClient, DaemonUnavailable
-from kvoffload.daemon import journal as jn
+from kvoffload.daemon import journal_state as js
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.types import Geometry, GroupKind, GroupSpec, KeyStatus, make_key
 
@@ -39,9 +39,9 @@ def metric(d: DaemonHandle, outcome: str) -> float:
     return next(float(x[len(line):]) for x in text.splitlines() if x.startswith(line))
 
 
-def committed(state_dir: Path) -> tuple[dict[int, Geometry], jn.State]:
-    state = jn.load_state(state_dir)
-    geoms = {ns: jn._geom_dec.decode(g) for ns, g in state.geometries.items()}
+def committed(state_dir: Path) -> tuple[dict[int, Geometry], js.State]:
+    state = js.load_state(state_dir)
+    geoms = {ns: js._geom_dec.decode(g) for ns, g in state.geometries.items()}
     return geoms, state
 
 

@@ -88,6 +88,10 @@ class Promoter:
 
     async def _promote(self, tier: Tier, ns: Namespace, key: bytes, slot: int) -> None:
         started = time.perf_counter()
+        # Yield once first: the lookup that started us parks on the key's future in a task
+        # scheduled right after this one. A read served from memory would otherwise commit
+        # before that lookup parks, and it would find no future to wait on.
+        await asyncio.sleep(0)
         meta: BlockMeta | None = None
         view = self.index.pool.view(slot)
         try:
