@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from kvoffload.connector.client import AsyncDaemonClient, DaemonClient, DaemonUnavailable
 from kvoffload.connector.vllm.worker import PoolInfo
 from kvoffload.daemon import protocol as p
+from kvoffload.daemon.security import CurveClientKeys
 from kvoffload.daemon.types import Geometry
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # type: ignore[import-untyped]
     OffloadingConnector,
@@ -209,8 +210,10 @@ class SchedulerRequests:
 class DaemonWaiter:
     """Sends ``Lookup(wait_ms, pin=False)`` for deferred queries; each resolves a Future."""
 
-    def __init__(self, endpoint: str, geometry: Geometry, wait_ms: int, timeout_ms: int) -> None:
+    def __init__(self, endpoint: str, geometry: Geometry, wait_ms: int, timeout_ms: int,
+                 curve: CurveClientKeys | None = None) -> None:
         self.endpoint = endpoint
+        self.curve = curve
         self.geometry = geometry
         self.wait_ms = wait_ms
         self.timeout_ms = timeout_ms
@@ -224,7 +227,7 @@ class DaemonWaiter:
     async def _ensure(self) -> tuple[AsyncDaemonClient, int]:
         if self._client is None:
             self._client = AsyncDaemonClient(self.endpoint, timeout_ms=self.timeout_ms,
-                                             name="vllm scheduler waiter")
+                                             name="vllm scheduler waiter", curve=self.curve)
         if self._engine is None:
             # A fresh socket refuses sends until connected: retry within one timeout.
             deadline = self._loop.time() + self.timeout_ms / 1000

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvoffload.connector.client import DaemonClient
 from kvoffload.connector.vllm.manager import DaemonOffloadingManager, ManagerSettings
+from kvoffload.daemon.security import CurveClientKeys
 from kvoffload.daemon.types import Geometry, GroupKind, GroupSpec
 from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
     CanonicalKVCaches,
@@ -200,13 +201,16 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             s = self.settings
             from kvoffload.connector.vllm.connector import DaemonLink, DaemonWaiter
 
+            # CURVE keys from kv_connector_extra_config, else the KVOFFLOAD_CURVE_* environment.
+            curve = CurveClientKeys.from_settings(self.extra_config)
             client = DaemonClient(self.endpoint, timeout_ms=s.timeout_ms,
                                   name=f"vllm scheduler {self.config.engine_id} pid {os.getpid()}",
-                                  time_model=s.time_model)
+                                  time_model=s.time_model, curve=curve)
             link = DaemonLink(client, self.geometry, s.timeout_ms, s.retry_ms)
             waiter = None
             if s.wait_ms > 0:
-                waiter = DaemonWaiter(self.endpoint, self.geometry, s.wait_ms, s.timeout_ms)
+                waiter = DaemonWaiter(self.endpoint, self.geometry, s.wait_ms, s.timeout_ms,
+                                      curve=curve)
             self._manager = DaemonOffloadingManager(
                 link, self.geometry, s, waiter=waiter,
                 group_ids=[g.group_id for g in self.config.groups])
