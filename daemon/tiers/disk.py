@@ -27,10 +27,8 @@ import contextlib
 import hashlib
 import logging
 import os
-import struct
 import time
 import zlib
-from array import array
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,100 +39,26 @@ import msgspec
 from kvoffload.daemon.index import Namespace
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.tiers.base import BlockMeta, Tier, TierStats
+from kvoffload.daemon.tiers.diskfmt import (
+    HEAD,
+    CorruptBlock,
+    encode_meta,
+    read_file,
+    read_prefix,
+    write_file,
+)
 from kvoffload.daemon.types import key_group
-from kvoffload.events.hub import StoredRecord
 
 log = logging.getLogger("kvoffload.daemon")
 
-MAGIC = b"KVOB"
-VERSION = 1
-# magic, version, key_len, meta_len, ns_hash, data_len, data_crc, header_crc
-_HEAD = struct.Struct("<4sHHI16sQII")
 _WRITE_LANES = 4
 _READ_THREADS = 4
 _DEGRADED_AFTER = 8  # consecutive I/O errors
 _MAX_BACKLOG = 256 << 20  # bytes copied out of the pool but not yet on disk
 
 
-class CorruptBlock(ValueError):
-    """A file failed a header, length or checksum check."""
-
-
-class _Meta(msgspec.Struct, array_like=True):
-    end_token: int
-    tail: bool
-    record: dict[str, Any] | None = None
-
-
-_meta_encoder = msgspec.msgpack.Encoder()
-_meta_decoder = msgspec.msgpack.Decoder(_Meta)
-
-
-def _record_to_dict(rec: StoredRecord) -> dict[str, Any]:
-    return {"hashes": list(rec.hashes), "parent": rec.parent, "tokens": rec.tokens.tolist(),
-            "block_size": rec.block_size, "group_idx": rec.group_idx, "kind": rec.kind,
-            "sliding_window": rec.sliding_window, "lora_name": rec.lora_name,
-            "extra_keys": None if rec.extra_keys is None else list(rec.extra_keys),
-            "locality": rec.locality}
-
-
-def _record_from_dict(d: dict[str, Any]) -> StoredRecord:
-    extra = d.get("extra_keys")
-    return StoredRecord(hashes=tuple(d["hashes"]), parent=d.get("parent"),
-                        tokens=array("I", d.get("tokens") or ()), block_size=d["block_size"],
-                        medium="STORAGE", group_idx=d.get("group_idx"), kind=d.get("kind"),
-                        sliding_window=d.get("sliding_window"), lora_name=d.get("lora_name"),
-                        extra_keys=None if extra is None else tuple(
-                            None if e is None else tuple(e) for e in extra),
-                        locality=d.get("locality"))
-
-
-def encode_meta(meta: BlockMeta) -> bytes:
-    rec = None if meta.record is None else _record_to_dict(meta.record)
-    return _meta_encoder.encode(_Meta(meta.end_token, meta.tail, rec))
-
-
-def decode_meta(blob: bytes) -> BlockMeta:
-    m = _meta_decoder.decode(blob)
-    return BlockMeta(m.end_token, m.tail, None if m.record is None else _record_from_dict(m.record))
-
-
 def namespace_hash(ns: Namespace) -> bytes:
     return hashlib.blake2b(msgspec.msgpack.encode(ns.geometry), digest_size=16).digest()
-
-
-def _parse_head(head: bytes, key: bytes | None, nsh: bytes | None
-                ) -> tuple[int, int, bytes, int, int, int]:
-    if len(head) < _HEAD.size:
-        raise CorruptBlock("truncated header")
-    magic, ver, klen, mlen, fnsh, dlen, dcrc, hcrc = _HEAD.unpack_from(head)
-    if magic != MAGIC or ver != VERSION:
-        raise CorruptBlock(f"bad magic/version {magic!r}/{ver}")
-    if nsh is not None and fnsh != nsh:
-        raise CorruptBlock("namespace hash mismatch")
-    return klen, mlen, fnsh, dlen, dcrc, hcrc
-
-
-def _read_prefix(f: Any, path: str, key: bytes | None, nsh: bytes | None
-                 ) -> tuple[bytes, bytes, BlockMeta, int, int]:
-    """Header, key and meta of an open file, checked. Returns (nsh, key, meta, dlen, dcrc)."""
-    head = f.read(_HEAD.size)
-    klen, mlen, fnsh, dlen, dcrc, hcrc = _parse_head(head, key, nsh)
-    rest = f.read(klen + mlen)
-    if len(rest) != klen + mlen:
-        raise CorruptBlock("truncated key/meta")
-    if zlib.crc32(rest, zlib.crc32(head[:_HEAD.size - 4])) != hcrc:
-        raise CorruptBlock("header checksum mismatch")
-    fkey = rest[:klen]
-    if key is not None and fkey != key:
-        raise CorruptBlock("key mismatch")
-    if os.fstat(f.fileno()).st_size != _HEAD.size + klen + mlen + dlen:
-        raise CorruptBlock("file length does not match its header")
-    try:
-        meta = decode_meta(rest[klen:])
-    except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as exc:
-        raise CorruptBlock(f"bad meta: {exc}") from None
-    return fnsh, fkey, meta, dlen, dcrc
 
 
 @dataclass(slots=True)
@@ -237,7 +161,7 @@ class DiskTier(Tier):
             self._count("write_skipped")
             return False
         blob = encode_meta(meta)
-        size = _HEAD.size + len(key) + len(blob) + len(data)
+        size = HEAD.size + len(key) + len(blob) + len(data)
         if (size > self._stats.capacity_bytes or self._backlog + len(data) > self.max_backlog
                 or not self._make_room(size)):
             self._stats.writes_skipped += 1
@@ -248,7 +172,7 @@ class DiskTier(Tier):
         self._entries[k] = entry
         self._stats.used_bytes += size
         self._backlog += len(data)
-        fut = self._submit(self._lane(key), _write_file, path, nsh, key, blob, data)
+        fut = self._submit(self._lane(key), write_file, path, nsh, key, blob, data)
         fut.add_done_callback(lambda f: self._written(k, entry, f))
         self._gauges()
         return True
@@ -327,7 +251,7 @@ class DiskTier(Tier):
         e.busy += 1
         started = time.perf_counter()
         try:
-            meta: BlockMeta = await self._submit(self._readers, _read_file, e.path, k[0], key,
+            meta: BlockMeta = await self._submit(self._readers, read_file, e.path, k[0], key,
                                                  buf[:e.data_len])
         except CorruptBlock as exc:
             log.warning("disk tier: dropping corrupt block %s: %s", e.path, exc)
@@ -391,42 +315,9 @@ class DiskTier(Tier):
 # -- blocking file work, run in threads -------------------------------------------------
 
 
-def _write_file(path: str, nsh: bytes, key: bytes, blob: bytes, data: bytes) -> None:
-    head = _HEAD.pack(MAGIC, VERSION, len(key), len(blob), nsh, len(data),
-                      zlib.crc32(data), 0)[:_HEAD.size - 4]
-    hcrc = zlib.crc32(key + blob, zlib.crc32(head))
-    tmp = f"{path}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(head + struct.pack("<I", hcrc) + key + blob)
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _unlink(path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
-
-
-def _read_file(path: str, nsh: bytes, key: bytes, buf: memoryview) -> BlockMeta:
-    with open(path, "rb", buffering=0) as f:
-        _, _, meta, dlen, dcrc = _read_prefix(f, path, key, nsh)
-        if dlen != len(buf):
-            raise CorruptBlock("data length changed")
-        got = 0
-        while got < dlen:
-            n = f.readinto(buf[got:])
-            if not n:
-                raise CorruptBlock("truncated data")
-            got += n
-    if zlib.crc32(buf) != dcrc:
-        raise CorruptBlock("data checksum mismatch")
-    return meta
 
 
 def _scan(root: Path) -> tuple[list[tuple[tuple[bytes, bytes], _Entry]], int]:
@@ -443,7 +334,7 @@ def _scan(root: Path) -> tuple[list[tuple[tuple[bytes, bytes], _Entry]], int]:
                 continue
             try:
                 with open(path, "rb") as f:
-                    nsh, key, meta, dlen, _ = _read_prefix(f, path, None, None)
+                    nsh, key, meta, dlen, _ = read_prefix(f, path, None, None)
                     st = os.fstat(f.fileno())
             except (CorruptBlock, OSError):
                 corrupt += 1
