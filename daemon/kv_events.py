@@ -157,6 +157,18 @@ class DaemonEvents:
             return
         self._publish_stored(slot, key, event)
 
+    def recovered(self, ns: Namespace, key: bytes, slot: int, tail: bool) -> None:
+        """A block recovered from the state dir after a restart. Its payload (token ids) died
+        with the old process, and routers saw the old stream end: announce it again once an
+        engine stream tells its tokens (complete chunks); a tail waits, counted."""
+        if not self.enabled:
+            return
+        self._awaiting[slot] = (ns, key)
+        if not tail:
+            self._awaiting_by_hash.setdefault(hash_to_int(key_hash(key)), set()).add(slot)
+        self.incomplete.labels("recovered").inc()
+        self.awaiting_gauge.set(len(self._awaiting))
+
     def _unawait(self, slot: int) -> bool:
         got = self._awaiting.pop(slot, None)
         if got is None:

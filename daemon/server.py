@@ -157,6 +157,9 @@ class Server:
             self.journal = recover_state(self.config.state_dir, self.index,
                                          self.metrics.registry, self.config.slot_bytes,
                                          self.service._block_added)
+            for ns in self.index.namespaces:  # re-announced once their payload is known
+                for key, slot in ns.keys.items():
+                    self.events.recovered(ns, key, slot, bool(self.index.tail[slot]))
         if self.tiers is not None:  # find the blocks a previous run left on disk
             try:
                 await self.tiers.start()

@@ -213,3 +213,24 @@ def test_kill9_with_concurrent_clients(tmp_path: Path) -> None:
         assert metric(d, "recovered") > 0  # blocks committed before the crash came back
         # A step is at most 4 calls; each is bounded by the client's timeout.
         assert max(w.longest_call for w in workers) < 4 * TIMEOUT_MS / 1000 + 0.5
+
+
+def test_recovered_blocks_wait_for_a_payload_instead_of_a_placeholder(tmp_path: Path) -> None:
+    """After a restart the old event stream is gone; recovered blocks are announced again only
+    with their real payload (from an engine stream), never as placeholders: until then they
+    wait, counted."""
+    state_dir = tmp_path / "state"
+    with run_daemon(tmp_path, "--state-dir", str(state_dir), "--events", "tcp://127.0.0.1:*",
+                    "--events-replay", "tcp://127.0.0.1:*", pool_bytes=16 << 20) as d:
+        demo(d.control, "--requests", "40")
+        c = DaemonClient(d.control)
+        ready = c.stats()["ready"]
+        c.close()
+        assert d.stop() == 0
+        d.start()
+        text = urllib.request.urlopen(f"{d.http_url}/metrics", timeout=5).read().decode()
+        waiting = next(float(x.split()[-1]) for x in text.splitlines()
+                       if x.startswith("kvoffload_events_awaiting_payload "))
+        recovered = metric(d, "recovered")
+        assert ready > 0 and waiting == recovered >= 0.99 * ready
+        assert 'kvoffload_events_incomplete_total{reason="recovered"}' in text
