@@ -12,6 +12,7 @@ holds) plus the partial tails at the prompt's end and the turn's end, and a ``Co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import statistics
@@ -28,6 +29,11 @@ from kvoffload.daemon.cost import TailCost, TimeModel
 from kvoffload.daemon.types import Geometry, make_key
 
 T = TypeVar("T")
+
+# Assumption, not measured: sequential read bandwidth of one datacenter NVMe drive (PCIe Gen4
+# x4, ~6-7 GB/s). The bench moves no bytes, so a block promoted from the disk tier costs its
+# full-size slot bytes at this rate in the simulated TTFT, on top of the time model's copy.
+NVME_READ_BYTES_PER_S = 6e9
 
 
 # ------------------------------------------------------------------------------ store policy
@@ -77,6 +83,8 @@ class TurnRecord:
     lookup_calls: int = 0
     round_trips: int = 0
     tail_declined: bool = False  # a tail hit that did not pay, loaded as its chunk hit
+    promoted: int = 0  # blocks the daemon read back from its disk tier for this lookup
+    promoted_bytes: int = 0  # their full-size bytes (a disk tier stores whole slots)
 
 
 @dataclass
@@ -85,13 +93,19 @@ class Totals:
 
     model: TimeModel = field(default_factory=TimeModel)
     turns: list[TurnRecord] = field(default_factory=list)
+    disk_read_bytes_per_s: float = NVME_READ_BYTES_PER_S
+
+    def ttft_s(self, t: TurnRecord) -> float:
+        # The lookup waits for its promotions (disk -> pool) before the load (pool -> GPU)
+        # starts, so the disk read adds to the time model instead of overlapping it.
+        return (self.model.ttft(t.prompt_tokens - t.hit_tokens, t.loaded_bytes)
+                + t.promoted_bytes / self.disk_read_bytes_per_s)
 
     def add(self, rec: TurnRecord) -> None:
         self.turns.append(rec)
 
     def ttfts_ms(self) -> list[float]:
-        return [1000 * self.model.ttft(t.prompt_tokens - t.hit_tokens, t.loaded_bytes)
-                for t in self.turns]
+        return [1000 * self.ttft_s(t) for t in self.turns]
 
     def summary(self) -> dict[str, Any]:
         t = self.turns
@@ -109,6 +123,8 @@ class Totals:
             "keys_stored": sum(x.stored_keys for x in t),
             "evictions": sum(x.evicted for x in t),
             "tails_declined": sum(x.tail_declined for x in t),
+            "promotions": sum(x.promoted for x in t),
+            "disk_bytes_read": sum(x.promoted_bytes for x in t),
             "lookup_calls_per_request": round(sum(x.lookup_calls for x in t) / n, 2),
             "round_trips_per_request": round(sum(x.round_trips for x in t) / n, 2),
             "ttft_ms_mean": round(statistics.fmean(ttft), 3),
@@ -133,15 +149,22 @@ class OursEngine:
 
     ``cost`` carries the full-size geometry (for bytes) and the time model; ``cost_aware``
     turns on tail admission and the load decision; ``tails=False`` is "complete chunks only".
+    With a disk tier below the pool, ``wait_ms`` parks each lookup on its promotions (the
+    plugin's behaviour) so they come back as hits, and ``promotions`` (a running count of the
+    daemon's disk-tier reads, ``EmbeddedDaemon.disk_reads``) charges their bytes to the turn.
     """
 
     def __init__(self, client: DaemonClient, geometry: Geometry, cost: TailCost, *,
-                 tails: bool = True, cost_aware: bool = False) -> None:
+                 tails: bool = True, cost_aware: bool = False, wait_ms: int = 0,
+                 promotions: Callable[[], int] | None = None) -> None:
         self.client = client
         self.geometry = geometry
         self.cost = cost
         self.tails = tails
         self.cost_aware = cost_aware
+        self.wait_ms = wait_ms
+        self.promotions = promotions
+        self._promoted = 0
         self.totals = Totals(cost.model)
         self._n = 0
         if cost_aware:
@@ -165,13 +188,20 @@ class OursEngine:
         self._n += 1
         query = p.LookupQuery(req_id=str(self._n), block_hashes=prompt_hashes, num_tokens=n,
                               num_prompt_tokens=n)
-        ans = client.lookup([query], pin=True)[0]
+        ans = client.lookup([query], pin=True, wait_ms=self.wait_ms)[0]
+        promoted = 0
+        if self.promotions is not None:
+            # Read after the answer: the parked lookup resolved on those reads' commits. A
+            # promotion still running past the answer is charged to the next turn.
+            seen, self._promoted = self._promoted, self.promotions()
+            promoted = self._promoted - seen
         hit, chunk, keys = ans.hit_tokens or 0, ans.chunk_tokens, list(ans.load_keys)
         if ans.load_keys:
             client.complete_load(ans.load_keys)  # "copied": release the pins
         declined = ans.miss_reason == "tail_below_threshold"
         rec = TurnRecord(n, hit, min(chunk, hit) if hit else 0, cost.load_bytes(keys),
-                         lookup_calls=1, tail_declined=declined)
+                         lookup_calls=1, tail_declined=declined, promoted=promoted,
+                         promoted_bytes=promoted * cost.geometry.slot_bytes())
         # Tails that cannot pay come back NOT_WORTH from the daemon when cost-aware.
         admit = None
         items = store_items(g, hashes, n, tails=self.tails, admit=admit)
@@ -199,7 +229,7 @@ class EmbeddedDaemon:
     _count = 0
 
     def __init__(self, pool_bytes: int, *, slot_bytes: int = 0, policy: str = "lru",
-                 prefault: bool = True) -> None:
+                 prefault: bool = True, disk_bytes: int = 0) -> None:
         EmbeddedDaemon._count += 1
         self._tmp = tempfile.mkdtemp(prefix="kvo-bench-")
         self.pool_path = f"/dev/shm/kvoffload-bench-{os.getpid()}-{EmbeddedDaemon._count}"
@@ -207,6 +237,8 @@ class EmbeddedDaemon:
                             pool_path=self.pool_path, pool_bytes=pool_bytes,
                             slot_bytes=slot_bytes, policy=policy, prefault=prefault,
                             lease_ms=600_000, max_message_bytes=256 << 20)
+        if disk_bytes:  # a disk tier in the temp dir: removed with it on exit
+            self._kwargs.update(disk_dir=f"{self._tmp}/disk", disk_bytes=disk_bytes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.server: Any = None
@@ -242,6 +274,18 @@ class EmbeddedDaemon:
             return fn(self.server)
 
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
+
+    def disk_stats(self) -> dict[str, int]:
+        """The disk tier's counters (``TierStats``), or {} without one."""
+        def get(server: Any) -> dict[str, int]:
+            tiers = server.tiers.tiers if server.tiers is not None else []
+            return dataclasses.asdict(tiers[0].stats) if tiers else {}
+
+        return self.call(get)
+
+    def disk_reads(self) -> int:
+        """Blocks read back from the disk tier so far (each one a promotion into the pool)."""
+        return self.disk_stats().get("reads", 0)
 
     def client(self, name: str = "kvoffload bench") -> DaemonClient:
         return DaemonClient(self.endpoint, timeout_ms=60_000, name=name)

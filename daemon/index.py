@@ -142,14 +142,22 @@ class BlockIndex:
             slot = self.pool.alloc()
             if slot is None:
                 return Prepared(None, False, evicted)
+        self._occupy(ns, key, slot, SlotState.PENDING, end_token, tail)
+        return Prepared(slot, False, evicted)
+
+    def _occupy(self, ns: Namespace, key: bytes, slot: int, state: SlotState, end_token: int,
+                tail: bool) -> None:
+        """Record ``key`` in ``slot`` (every per-slot array, the counters, the namespace)."""
         ns.keys[key] = slot
-        self.state[slot] = SlotState.PENDING
-        self.n_pending += 1
+        self.state[slot] = state
+        if state == SlotState.PENDING:
+            self.n_pending += 1
+        else:
+            self.n_ready += 1
         self.ns_of[slot] = ns.id
         self.end_token[slot] = end_token
         self.tail[slot] = tail
         self.slot_key[slot] = key
-        return Prepared(slot, False, evicted)
 
     def commit(self, ns: Namespace, key: bytes) -> bool:
         slot = ns.keys.get(key)
@@ -169,13 +177,7 @@ class BlockIndex:
 
         No listeners run: the journal already holds it and nothing was published this run.
         """
-        ns.keys[key] = slot
-        self.state[slot] = SlotState.READY
-        self.n_ready += 1
-        self.ns_of[slot] = ns.id
-        self.end_token[slot] = end_token
-        self.tail[slot] = tail
-        self.slot_key[slot] = key
+        self._occupy(ns, key, slot, SlotState.READY, end_token, tail)
         self.policy.on_insert(slot)
 
     def abort(self, ns: Namespace, key: bytes) -> bool:
