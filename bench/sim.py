@@ -83,8 +83,9 @@ class TurnRecord:
     lookup_calls: int = 0
     round_trips: int = 0
     tail_declined: bool = False  # a tail hit that did not pay, loaded as its chunk hit
-    promoted: int = 0  # blocks the daemon read back from its disk tier for this lookup
+    promoted: int = 0  # blocks read back from the disk tier that this lookup waited for
     promoted_bytes: int = 0  # their full-size bytes (a disk tier stores whole slots)
+    promoted_late: int = 0  # promotions it started but answered without (pending tails)
 
 
 @dataclass
@@ -123,8 +124,9 @@ class Totals:
             "keys_stored": sum(x.stored_keys for x in t),
             "evictions": sum(x.evicted for x in t),
             "tails_declined": sum(x.tail_declined for x in t),
-            "promotions": sum(x.promoted for x in t),
-            "disk_bytes_read": sum(x.promoted_bytes for x in t),
+            "promotions": sum(x.promoted + x.promoted_late for x in t),
+            "promotions_waited": sum(x.promoted for x in t),
+            "disk_bytes_waited": sum(x.promoted_bytes for x in t),
             "lookup_calls_per_request": round(sum(x.lookup_calls for x in t) / n, 2),
             "round_trips_per_request": round(sum(x.round_trips for x in t) / n, 2),
             "ttft_ms_mean": round(statistics.fmean(ttft), 3),
@@ -189,19 +191,23 @@ class OursEngine:
         query = p.LookupQuery(req_id=str(self._n), block_hashes=prompt_hashes, num_tokens=n,
                               num_prompt_tokens=n)
         ans = client.lookup([query], pin=True, wait_ms=self.wait_ms)[0]
-        promoted = 0
+        promoted = late = 0
         if self.promotions is not None:
-            # Read after the answer: the parked lookup resolved on those reads' commits. A
-            # promotion still running past the answer is charged to the next turn.
+            # Every promotion this lookup started (the count waits for those in flight). The
+            # answer waited for all but the keys it still reports pending: tails above a chunk
+            # hit are answered without (lookup.py's vLLM rule), their reads run in background.
             seen, self._promoted = self._promoted, self.promotions()
-            promoted = self._promoted - seen
+            late = len(set(ans.pending_keys)) if ans.hit_tokens is not None else 0
+            promoted = max(0, self._promoted - seen - late)
+            late = self._promoted - seen - promoted
         hit, chunk, keys = ans.hit_tokens or 0, ans.chunk_tokens, list(ans.load_keys)
         if ans.load_keys:
             client.complete_load(ans.load_keys)  # "copied": release the pins
         declined = ans.miss_reason == "tail_below_threshold"
         rec = TurnRecord(n, hit, min(chunk, hit) if hit else 0, cost.load_bytes(keys),
                          lookup_calls=1, tail_declined=declined, promoted=promoted,
-                         promoted_bytes=promoted * cost.geometry.slot_bytes())
+                         promoted_bytes=promoted * cost.geometry.slot_bytes(),
+                         promoted_late=late)
         # Tails that cannot pay come back NOT_WORTH from the daemon when cost-aware.
         admit = None
         items = store_items(g, hashes, n, tails=self.tails, admit=admit)
@@ -284,8 +290,21 @@ class EmbeddedDaemon:
         return self.call(get)
 
     def disk_reads(self) -> int:
-        """Blocks read back from the disk tier so far (each one a promotion into the pool)."""
-        return self.disk_stats().get("reads", 0)
+        """Blocks read back from the disk tier so far (each one a promotion into the pool),
+        counted once the promotions in flight are done: a read its lookup did not wait for
+        then counts with the turn that started it, not with the next one."""
+        assert self._loop is not None
+
+        async def settle() -> int:
+            tiers = self.server.tiers
+            if tiers is None:
+                return 0
+            # ``_tasks``: the Promoter's running promotions, what its own aclose waits on.
+            if tiers._tasks:
+                await asyncio.wait(list(tiers._tasks), timeout=60)
+            return int(tiers.tiers[0].stats.reads)
+
+        return asyncio.run_coroutine_threadsafe(settle(), self._loop).result(120)
 
     def client(self, name: str = "kvoffload bench") -> DaemonClient:
         return DaemonClient(self.endpoint, timeout_ms=60_000, name=name)

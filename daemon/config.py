@@ -71,6 +71,15 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     state_dir: str | None = None
     disk_dir: str | None = None  # local disk tier for blocks evicted from the pool
     disk_bytes: int = 0  # its size bound; must be > 0 with disk_dir
+    # Shared tier on a Mooncake Store cluster (daemon/tiers/mooncake.py, docs/tiers.md).
+    mooncake_master: str | None = None  # HOST:PORT of mooncake_master; None: tier off
+    mooncake_metadata: str = ""  # metadata server URL; "": http://<master host>:8080/metadata
+    mooncake_local_hostname: str = ""  # address peers reach us on; "": this host's IP
+    mooncake_protocol: str = "tcp"  # "tcp" or "rdma"
+    mooncake_device: str = ""  # RDMA device names (rdma only)
+    mooncake_segment_bytes: int = 1 << 30  # memory this daemon lends to the shared store
+    mooncake_buffer_bytes: int = 256 << 20  # client staging buffer; bounds one put batch
+    mooncake_put: str = "commit"  # push blocks on "commit" (shared at once) or on "evict"
     log_format: LogFormat = LogFormat.TEXT
     log_level: str = "info"
     policy: str = "lru"
@@ -95,6 +104,14 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("disk_bytes", self.disk_bytes >= 0 and
              (self.disk_dir is None or self.disk_bytes > 0),
              "must be positive when disk_dir is set"),
+            ("mooncake_master", self.mooncake_master is None or
+             ":" in self.mooncake_master, "must be HOST:PORT"),
+            ("mooncake_protocol", self.mooncake_protocol in ("tcp", "rdma"),
+             "must be tcp or rdma"),
+            ("mooncake_put", self.mooncake_put in ("commit", "evict"), "must be commit or evict"),
+            ("mooncake_segment_bytes", self.mooncake_segment_bytes > 0, "must be positive"),
+            ("mooncake_buffer_bytes", self.mooncake_buffer_bytes >= 1 << 20,
+             "must be at least 1MiB"),
             ("curve_client_keys", bool(self.curve_client_keys) == bool(self.curve_server_key),
              "and curve_server_key must be set together"),
             ("http", ":" in self.http, "must be HOST:PORT"),
@@ -115,7 +132,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 # Read by clients (connector), not by the daemon: never an unknown-setting error.
 _CLIENT_ENV = {"KVOFFLOAD_CURVE_CLIENT_KEY", "KVOFFLOAD_CURVE_SERVER_PUBLIC_KEY"}
-_SIZE_KEYS = {"pool_bytes", "slot_bytes", "max_message_bytes", "disk_bytes"}
+_SIZE_KEYS = {"pool_bytes", "slot_bytes", "max_message_bytes", "disk_bytes",
+              "mooncake_segment_bytes", "mooncake_buffer_bytes"}
 _FIELDS = {f.name: f for f in msgspec.structs.fields(Config)}
 
 

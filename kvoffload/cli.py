@@ -33,6 +33,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--disk-dir", help="local disk tier: directory for blocks evicted from "
                    "the pool")
     s.add_argument("--disk-bytes", help="size bound of the disk tier, e.g. 1TiB")
+    s.add_argument("--mooncake-master", help="shared tier: HOST:PORT of a mooncake_master "
+                   "(docs/tiers.md)")
+    s.add_argument("--mooncake-metadata", help="Mooncake metadata server URL "
+                   "(http://<master host>:8080/metadata)")
+    s.add_argument("--mooncake-local-hostname", help="address other nodes reach this "
+                   "daemon's store segment on (this host's IP)")
+    s.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], help="transport (tcp)")
+    s.add_argument("--mooncake-device", help="RDMA device names, e.g. mlx5_0 (rdma only)")
+    s.add_argument("--mooncake-segment-bytes", help="memory lent to the shared store (1GiB)")
+    s.add_argument("--mooncake-buffer-bytes", help="client staging buffer (256MiB)")
+    s.add_argument("--mooncake-put", choices=["commit", "evict"],
+                   help="push blocks to the store on commit (default) or on eviction")
     s.add_argument("--policy", choices=["lru", "arc"], help="eviction policy (lru)")
     s.add_argument("--lease-ms", type=int, help="client lease in milliseconds (10000)")
     s.add_argument("--log-format", choices=["text", "json"])
@@ -56,7 +68,10 @@ def _serve(args: argparse.Namespace) -> int:
             "event_hashes", "http",
             "pool_path", "pool_bytes", "slot_bytes", "state_dir", "policy", "lease_ms",
             "log_format", "log_level", "engine_events_max_tokens", "hub", "hub_replay",
-            "hub_buffer_batches", "disk_dir", "disk_bytes"]
+            "hub_buffer_batches", "disk_dir", "disk_bytes", "mooncake_master",
+            "mooncake_metadata", "mooncake_local_hostname", "mooncake_protocol",
+            "mooncake_device", "mooncake_segment_bytes", "mooncake_buffer_bytes",
+            "mooncake_put"]
     try:
         config = load_config(args.config or os.environ.get("KVOFFLOAD_CONFIG"),
                              flags={k: getattr(args, k) for k in keys})

@@ -110,6 +110,25 @@ def test_ours_simulator_hits_equal_the_reference(copy_rate: float, cost_aware: b
     assert summary["served_tail_tokens"] > 0 and summary["served_chunk_tokens"] > 0
 
 
+def test_disk_tier_serves_at_least_pool_only_on_the_same_small_pool() -> None:
+    """A pool that evicts (24 slots) with the daemon's real disk tier below it: evicted blocks
+    come back through promotions the lookups wait for, so no fewer tokens are served."""
+    from kvoffload.bench.hybrid_chat import run_disk_tier
+
+    turns = list(chat_turns(40, seed=3))
+    pool_only, disk, summary = run_disk_tier(turns, TailCost(FULL),
+                                             pool_bytes=24 * FULL.slot_bytes(), disk_blocks=5_000)
+    assert pool_only["evictions"] > 0 and pool_only["promotions"] == 0
+    assert disk["served_tokens"] >= pool_only["served_tokens"]
+    assert disk["served_tokens"] > pool_only["served_tokens"]  # this seed: evicted hits return
+    assert disk["promotions_waited"] > 0 and disk["disk_bytes_waited"] > 0
+    tier = summary["tier"]
+    assert tier["writes"] > 0 and tier["reads"] == disk["promotions"]  # every read counted
+    assert tier["evictions"] == 0 and tier["corrupt"] == tier["read_errors"] == 0
+    for v in (pool_only, disk):
+        assert v["served_tokens"] + v["recomputed_tokens"] == v["prompt_tokens"]
+
+
 # ------------------------------------------------------------------------------ vLLM baseline
 
 
@@ -173,7 +192,9 @@ def test_hybrid_chat_suite_smoke() -> None:
     r = run_hybrid_chat_bench(True, requests=25)
     assert {"ratio", "target", "meets", "variants", "cost_aware_tails"} <= r.keys()
     assert set(r["variants"]) == {"no_offload", "ours", "ours_cost_off", "chunks_only", "vllm",
-                                  "vllm_offload_all_tokens"}
+                                  "vllm_offload_all_tokens", "ours_small_pool",
+                                  "ours_disk_tier"}
+    assert {"served_gain", "ttft_gain", "promotions", "disk_bytes_read"} <= r["disk_tier"].keys()
     for v in r["variants"].values():
         assert v["served_tokens"] + v["recomputed_tokens"] == v["prompt_tokens"]
         assert {"ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "bytes_loaded",
