@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 class HttpServer:
     def __init__(self, host: str, port: int, registry: CollectorRegistry,
-                 readiness: Callable[[], dict[str, bool]]) -> None:
+                 readiness: Callable[[], Mapping[str, object]]) -> None:
         self.host, self.port = host, port
         self._registry = registry
         self._readiness = readiness

@@ -138,8 +138,9 @@ class DaemonEvents:
         if not self.enabled:
             return
         if restored is not None:  # promoted from a tier: the event it had before eviction
-            self._publish_stored(slot, key, dataclasses.replace(
-                restored, medium="CPU", locality="LOCAL").to_event())
+            self._publish_stored(slot, key, dataclasses.replace(  # REMOTE: shared tier
+                restored, medium="CPU",
+                locality="REMOTE" if restored.locality == "REMOTE" else "LOCAL").to_event())
             return
         event = self._block_stored(ns, key, slot, item)
         if event is None and item is not None and not item.tail:

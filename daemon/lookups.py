@@ -196,7 +196,9 @@ class LookupHandler:
         # read finishing in a thread): with no future left, look again once, do not give up.
         look_again = True
         while True:
-            futures = [f for f in (self.index.wait(ns, k) for k in waits) if f is not None]
+            futures = [f for f in (self.index.wait(ns, k) or (
+                self.tiers.wait(ns, k) if self.tiers is not None else None)  # store checks
+                for k in waits) if f is not None]
             left = deadline - time.monotonic()
             if left <= 0 or (not futures and not look_again):
                 break

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,10 @@ from kvoffload.daemon.pool import Pool
 from kvoffload.daemon.security import CurveGuard, insecure_endpoint_warning
 from kvoffload.daemon.service import Service
 from kvoffload.daemon.tiers import Promoter
+from kvoffload.daemon.tiers.base import Tier
 from kvoffload.daemon.tiers.disk import DiskTier
+from kvoffload.daemon.tiers.mooncake import MooncakeTier
+from kvoffload.daemon.tiers.shared_promote import SharedPromoter
 
 log = logging.getLogger("kvoffload.daemon")
 
@@ -74,11 +78,21 @@ class Server:
                                    hub_buffer_batches=config.hub_buffer_batches)
         self.service = Service(config, self.index, self.metrics, self.events)
         self.tiers: Promoter | None = None  # with --disk-dir: the disk tier below the pool
+        local: list[Tier] = []
         if config.disk_dir:
             self.events.keep_payloads = True  # evicted blocks keep their event on disk
-            disk = DiskTier(config.disk_dir, config.disk_bytes, self.metrics, self.events)
-            self.tiers = Promoter(self.index, [disk], self.metrics, self.events,
+            local.append(DiskTier(config.disk_dir, config.disk_bytes, self.metrics,
+                                  self.events))
+        self.mooncake: MooncakeTier | None = None  # with --mooncake-master: the shared tier
+        if config.mooncake_master:
+            self.events.keep_payloads = True  # blocks carry their event to other nodes
+            self.mooncake = MooncakeTier(config, self.index, self.metrics, self.events)
+            self.tiers = SharedPromoter(self.index, local, self.mooncake, self.metrics,
+                                        self.events, self.service._update_pool_gauges)
+        elif local:
+            self.tiers = Promoter(self.index, local, self.metrics, self.events,
                                   self.service._update_pool_gauges)
+        if self.tiers is not None:
             self.service.lookups.tiers = self.tiers
         self.http = HttpServer(*config.http_host_port, self.metrics.registry, self.readiness)
         self._ctx = zmq.asyncio.Context()
@@ -95,9 +109,13 @@ class Server:
 
     # -- start ------------------------------------------------------------------------
 
-    def readiness(self) -> dict[str, bool]:
-        return {"pool_mapped": self.pool.mapped, "control_bound": self._sock is not None,
-                "accepting": self.accepting}
+    def readiness(self) -> dict[str, bool | str]:
+        checks: dict[str, bool | str] = {
+            "pool_mapped": self.pool.mapped, "control_bound": self._sock is not None,
+            "accepting": self.accepting}
+        if self.mooncake is not None:  # a detail, never False: the pool serves without it
+            checks["mooncake"] = self.mooncake.readiness()
+        return checks
 
     def _lock_ipc(self) -> None:
         """ZMQ silently takes over an ipc path in use; a lock file makes a 2nd start fail."""
@@ -163,6 +181,9 @@ class Server:
         if self.tiers is not None:  # find the blocks a previous run left on disk
             try:
                 await self.tiers.start()
+            except ImportError as exc:
+                raise StartupError(f"mooncake tier: the mooncake wheel cannot load ({exc}); "
+                                   "see docs/tiers.md") from None
             except OSError as exc:
                 raise StartupError(f"disk tier {self.config.disk_dir}: {exc}") from None
         self._bind()
@@ -314,7 +335,7 @@ class Server:
         log.info("kvoffload daemon stopped")
 
 
-async def serve(config: Config, ready_file: str | None = None) -> None:
+async def serve(config: Config, ready_file: str | None = None) -> Server:
     """Run a daemon until SIGTERM or SIGINT, then shut it down gracefully."""
     server = Server(config, ready_file)
     loop = asyncio.get_running_loop()
@@ -328,13 +349,25 @@ async def serve(config: Config, ready_file: str | None = None) -> None:
         await server.shutdown()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+    return server
+
+
+def _exit_now_if_needed(server: Server) -> None:
+    """Everything is closed and flushed; only the Mooncake client's C++ teardown is left, and
+    with its master unreachable it blocks for ~20 s: skip it (daemon/tiers/mooncake.py)."""
+    if server.mooncake is not None and server.mooncake.skip_teardown:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run(config: Config, ready_file: str | None = None) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep serving without it
-        asyncio.run(serve(config, ready_file))
+        server = asyncio.run(serve(config, ready_file))
     else:
-        uvloop.run(serve(config, ready_file))
+        server = uvloop.run(serve(config, ready_file))
+    _exit_now_if_needed(server)
     return 0

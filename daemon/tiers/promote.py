@@ -115,6 +115,10 @@ class Promoter:
         if self.on_change is not None:
             self.on_change()
 
+    def wait(self, ns: Namespace, key: bytes) -> asyncio.Future[bool] | None:
+        """A future for a key answered RETRY (a shared tier asking its store); none here."""
+        return None
+
     # -- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
