@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; }
 pip install --upgrade pip
 # torch: on CUDA hosts install the matching CUDA build before running this script.
 .venv/bin/python -c 'import torch' 2>/dev/null || pip install "torch==2.13.0"
