@@ -66,11 +66,14 @@ class LookupHandler:
         misses: list[bytes] = []
         status = self.index.status
         tiers = self.tiers
+        in_tiers: set[bytes] = set()
 
         def probe(key: bytes) -> KeyStatus:
             s = status(ns, key)
             if s is KeyStatus.MISS and tiers is not None:
-                s = tiers.probe(ns, key)  # a tier holds it: promotion started, HIT_PENDING
+                s = tiers.peek(ns, key)  # a tier holds it: HIT_PENDING, promoted below if needed
+                if s is KeyStatus.HIT_PENDING:
+                    in_tiers.add(key)
             if s is KeyStatus.HIT:
                 hits.append(key)
             elif s is KeyStatus.MISS:
@@ -86,6 +89,13 @@ class LookupHandler:
                             probe)
         except ValueError as exc:  # hashes that cannot cover the request, and the like
             raise _bad(f"request {q.req_id!r}: {exc}") from None
+        if tiers is not None and out.hit_tokens is None:
+            # Promote only what the deferred answer waits for: a tail probed above a chunk hit
+            # that is answered anyway would cost a pool slot (an eviction) and a read for
+            # nothing.
+            for key in out.deferred_keys:
+                if key in in_tiers:
+                    tiers.probe(ns, key)
         reason = None
         if ns.cost is not None and out.tail_boundary is not None and not ns.cost.load_tail(
                 hashes, q.local_tokens, out.chunk_tokens, out.hit_tokens or 0,

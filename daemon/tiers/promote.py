@@ -59,14 +59,27 @@ class Promoter:
 
     # -- up ---------------------------------------------------------------------------
 
-    def probe(self, ns: Namespace, key: bytes) -> KeyStatus:
-        """Status of a key the pool does not hold; starts its promotion when a tier has it."""
+    def _holder(self, ns: Namespace, key: bytes) -> Tier | None:
+        """The first usable tier holding ``key``, if any."""
         for tier in self.tiers:
             if tier.degraded or not tier.contains(ns, key):
                 continue
             size = tier.block_size(ns, key)
             if size is not None and size > self.index.pool.slot_bytes:
                 continue  # written under a bigger slot size: cannot come back
+            return tier
+        return None
+
+    def peek(self, ns: Namespace, key: bytes) -> KeyStatus:
+        """What ``probe`` would answer, without starting anything: HIT_PENDING when a tier
+        holds the key. A lookup peeks while it scans and promotes only the keys its answer
+        then waits for; promoting every probed tail would evict pool blocks for nothing."""
+        return KeyStatus.HIT_PENDING if self._holder(ns, key) is not None else KeyStatus.MISS
+
+    def probe(self, ns: Namespace, key: bytes) -> KeyStatus:
+        """Status of a key the pool does not hold; starts its promotion when a tier has it."""
+        tier = self._holder(ns, key)
+        if tier is not None:
             meta = tier.meta(ns, key) or BlockMeta(0, False)
             tier.touch(ns, key)  # most recent: the evictions prepare may cause spare it
             got = self.index.prepare(ns, key, meta.end_token, meta.tail)

@@ -40,6 +40,12 @@ class SharedPromoter(Promoter):
             return self.shared.ask(ns, key)  # known present but no room: a MISS, no re-ask
         return status
 
+    def peek(self, ns: Namespace, key: bytes) -> KeyStatus:
+        status = super().peek(ns, key)
+        if status is KeyStatus.MISS and not self.shared.contains(ns, key):
+            return self.shared.ask(ns, key)  # an existence check only: no slot is taken
+        return status
+
     def _fetch(self, ns: Namespace, key: bytes) -> KeyStatus:
         """The store holds ``key``: promote it unless the pool got it meanwhile."""
         if self.index.status(ns, key) is not KeyStatus.MISS:
