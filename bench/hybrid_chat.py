@@ -14,6 +14,10 @@ Variants:
   enough for the whole working set: evicted blocks go to disk, lookups park on promotions
   (``wait_ms``) and load them as hits. Their TTFT adds the promoted bytes read at
   ``NVME_READ_BYTES_PER_S`` (an assumption, bench/sim.py); ``disk_tier`` compares the two.
+* ``shared_tier`` (bench/mooncake_run.py): two nodes, each on the small pool, turns routed at
+  random between them, pool only vs both sharing a real Mooncake Store (a ``mooncake_master``
+  started here); fetched bytes charged at ``NETWORK_BYTES_PER_S`` (an assumption). Its result
+  says ``not_run`` when Mooncake cannot run here.
 
 Simulated TTFT = recomputed tokens / prefill rate + loaded bytes (full size) / copy rate.
 ``ratio`` = ours' mean TTFT / the better (lower) of the two vLLM variants' mean TTFT.
@@ -29,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvoffload.bench.mooncake_run import run_shared_tier
 from kvoffload.bench.sim import (
     NVME_READ_BYTES_PER_S,
     EmbeddedDaemon,
@@ -209,6 +214,9 @@ def run_hybrid_chat_bench(quick: bool = True, *, requests: int | None = None, se
     say("small pool, without and with the disk tier")
     (variants["ours_small_pool"], variants["ours_disk_tier"],
      out["disk_tier"]) = run_disk_tier(turns, cost)
+    say("two nodes: pool only, then sharing a Mooncake store")
+    out["shared_tier"] = run_shared_tier(turns, cost, SMALL_POOL_BYTES, preset=PRESET,
+                                         scale=TINY, seed=seed)
     out["variants"] = variants
     say("cost-aware tails at other copy rates")
     measured = measure_copy_bytes_per_s()
@@ -233,7 +241,11 @@ def run_hybrid_chat_bench(quick: bool = True, *, requests: int | None = None, se
         "Ours: the real daemon over ipc; the engine is simulated the same way. Disk tier: the "
         "daemon's real disk tier writes and reads real (tiny, 64-byte) block files in a temp "
         "dir; the TTFT charges each promoted block's full-size bytes at an assumed NVMe read "
-        "rate (disk_read_bytes_per_s), serially before the load, with no queueing.")
+        "rate (disk_read_bytes_per_s), serially before the load, with no queueing. Shared tier: "
+        "a real mooncake_master and two real daemons' Mooncake clients (TCP on loopback, "
+        "tiny blocks); each node's pushes finish before the next request; the TTFT charges "
+        "each fetched block's full-size bytes at an assumed network rate "
+        "(shared_tier.network_bytes_per_s), serially, no contention.")
     out["wall_seconds"] = round(time.perf_counter() - started, 2)
     return out
 

@@ -158,7 +158,8 @@ class OursEngine:
 
     def __init__(self, client: DaemonClient, geometry: Geometry, cost: TailCost, *,
                  tails: bool = True, cost_aware: bool = False, wait_ms: int = 0,
-                 promotions: Callable[[], int] | None = None) -> None:
+                 promotions: Callable[[], int] | None = None,
+                 promoted_keys: Callable[[], set[bytes]] | None = None) -> None:
         self.client = client
         self.geometry = geometry
         self.cost = cost
@@ -166,6 +167,10 @@ class OursEngine:
         self.cost_aware = cost_aware
         self.wait_ms = wait_ms
         self.promotions = promotions
+        # Exact accounting (``EmbeddedDaemon.promoted_keys``): a promotion was waited for iff
+        # its key is loaded. Needed with the shared tier, where a pending key may be a store
+        # check that finds nothing, so pending keys no longer count the unwaited promotions.
+        self.promoted_keys = promoted_keys
         self._promoted = 0
         self.totals = Totals(cost.model)
         self._n = 0
@@ -192,7 +197,11 @@ class OursEngine:
                               num_prompt_tokens=n)
         ans = client.lookup([query], pin=True, wait_ms=self.wait_ms)[0]
         promoted = late = 0
-        if self.promotions is not None:
+        if self.promoted_keys is not None:
+            new = self.promoted_keys()
+            promoted = len(new & set(ans.load_keys)) if ans.hit_tokens else 0
+            late = len(new) - promoted
+        elif self.promotions is not None:
             # Every promotion this lookup started (the count waits for those in flight). The
             # answer waited for all but the keys it still reports pending: tails above a chunk
             # hit are answered without (lookup.py's vLLM rule), their reads run in background.
@@ -235,7 +244,8 @@ class EmbeddedDaemon:
     _count = 0
 
     def __init__(self, pool_bytes: int, *, slot_bytes: int = 0, policy: str = "lru",
-                 prefault: bool = True, disk_bytes: int = 0) -> None:
+                 prefault: bool = True, disk_bytes: int = 0,
+                 extra: dict[str, Any] | None = None) -> None:
         EmbeddedDaemon._count += 1
         self._tmp = tempfile.mkdtemp(prefix="kvo-bench-")
         self.pool_path = f"/dev/shm/kvoffload-bench-{os.getpid()}-{EmbeddedDaemon._count}"
@@ -245,6 +255,8 @@ class EmbeddedDaemon:
                             lease_ms=600_000, max_message_bytes=256 << 20)
         if disk_bytes:  # a disk tier in the temp dir: removed with it on exit
             self._kwargs.update(disk_dir=f"{self._tmp}/disk", disk_bytes=disk_bytes)
+        self._kwargs.update(extra or {})  # more Config fields (the shared tier's mooncake_*)
+        self._promoted: set[bytes] = set()  # keys promoted into the pool, see promoted_keys
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.server: Any = None
@@ -270,6 +282,8 @@ class EmbeddedDaemon:
             await self.server.start()
 
         asyncio.run_coroutine_threadsafe(start(), loop).result(60)
+        if self.server.tiers is not None:
+            self._record_promotions()
         self.endpoint = self.server.control_endpoint
         return self
 
@@ -290,21 +304,53 @@ class EmbeddedDaemon:
         return self.call(get)
 
     def disk_reads(self) -> int:
-        """Blocks read back from the disk tier so far (each one a promotion into the pool),
-        counted once the promotions in flight are done: a read its lookup did not wait for
-        then counts with the turn that started it, not with the next one."""
+        """Blocks read back from the first tier below the pool so far (disk, or the shared
+        tier without one: each one a promotion into the pool), counted once the promotions in
+        flight are done: a read its lookup did not wait for then counts with the turn that
+        started it, not with the next one. With the shared tier, its existence checks, gets and
+        puts are waited for too: a node's pushes reach the store before the next request (in
+        production, seconds of think time separate a conversation's turns)."""
         assert self._loop is not None
 
         async def settle() -> int:
             tiers = self.server.tiers
             if tiers is None:
                 return 0
-            # ``_tasks``: the Promoter's running promotions, what its own aclose waits on.
-            if tiers._tasks:
-                await asyncio.wait(list(tiers._tasks), timeout=60)
+            shared = self.server.mooncake
+            for _ in range(1000):  # a finished check may start a promotion, a commit a put
+                # ``_tasks``: the running promotions / tier I/O, what their aclose waits on.
+                pending = [*tiers._tasks, *(shared._tasks if shared is not None else ())]
+                if pending:
+                    await asyncio.wait(pending, timeout=60)
+                elif shared is not None and (shared._flushing or shared._put_queue):
+                    await asyncio.sleep(0)  # a batch scheduled with call_soon: let it start
+                else:
+                    break
             return int(tiers.tiers[0].stats.reads)
 
         return asyncio.run_coroutine_threadsafe(settle(), self._loop).result(120)
+
+    def _record_promotions(self) -> None:
+        """Wrap the Promoter's per-block task (on this instance only) to note each key that
+        ends up committed in the pool."""
+        from kvoffload.daemon.index import SlotState
+
+        tiers, index = self.server.tiers, self.server.index
+        original = tiers._promote
+
+        async def promote(tier: Any, ns: Any, key: bytes, slot: int) -> None:
+            await original(tier, ns, key, slot)
+            if ns.keys.get(key) == slot and index.state[slot] == SlotState.READY:
+                self._promoted.add(key)
+
+        tiers._promote = promote
+
+    def promoted_keys(self) -> set[bytes]:
+        """Keys promoted into the pool since the last call, once those in flight are done
+        (``disk_reads`` settles them)."""
+        self.disk_reads()
+        out, self._promoted = self._promoted, set()
+        return out
 
     def client(self, name: str = "kvoffload bench") -> DaemonClient:
         return DaemonClient(self.endpoint, timeout_ms=60_000, name=name)

@@ -129,6 +129,33 @@ def test_disk_tier_serves_at_least_pool_only_on_the_same_small_pool() -> None:
         assert v["served_tokens"] + v["recomputed_tokens"] == v["prompt_tokens"]
 
 
+def test_shared_tier_serves_one_nodes_blocks_to_the_other() -> None:
+    """Two daemons on one real mooncake_master, turns routed at random between them: the
+    other node's stored turns come back through the store, so more tokens are served than
+    with the same two pools alone; nothing fails."""
+    from kvoffload.bench.mooncake_run import mooncake_unavailable, run_shared_tier
+
+    reason = mooncake_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    turns = list(chat_turns(40, seed=3))
+    r = run_shared_tier(turns, TailCost(FULL), 24 * FULL.slot_bytes(), preset=QWEN.name,
+                        scale=1e-9, seed=3)
+    assert "not_run" not in r, r.get("not_run")
+    pool_only, shared = r["pool_only"], r["shared"]
+    assert r["turns_on_other_node"] > 0 and pool_only["promotions"] == 0
+    assert shared["served_tokens"] > pool_only["served_tokens"]
+    assert (shared["served_tokens_on_other_node_turns"]
+            > pool_only["served_tokens_on_other_node_turns"])
+    assert shared["promotions_waited"] > 0 and shared["fetched_bytes_waited"] > 0
+    assert sum(t["writes"] for t in r["tier"]) > 0
+    assert sum(t["reads"] for t in r["tier"]) == shared["promotions"]  # every fetch counted
+    for t in r["tier"]:
+        assert t["write_errors"] == t["read_errors"] == t["corrupt"] == t["writes_skipped"] == 0
+    for v in (pool_only, shared):
+        assert v["served_tokens"] + v["recomputed_tokens"] == v["prompt_tokens"]
+
+
 # ------------------------------------------------------------------------------ vLLM baseline
 
 
@@ -195,6 +222,8 @@ def test_hybrid_chat_suite_smoke() -> None:
                                   "vllm_offload_all_tokens", "ours_small_pool",
                                   "ours_disk_tier"}
     assert {"served_gain", "ttft_gain", "promotions", "disk_bytes_read"} <= r["disk_tier"].keys()
+    assert "not_run" in r["shared_tier"] or {"pool_only", "shared", "served_gain"} <= r[
+        "shared_tier"].keys()
     for v in r["variants"].values():
         assert v["served_tokens"] + v["recomputed_tokens"] == v["prompt_tokens"]
         assert {"ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "bytes_loaded",

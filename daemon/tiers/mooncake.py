@@ -216,7 +216,9 @@ class MooncakeTier(Tier):
             if code == 1:
                 self._mark_present(k)
                 self._count("exist_hit")
-                if self.promote is not None and not self.degraded:
+                # Promote only for a lookup parked on this check (its answer waits for the
+                # key); an unwaited check just marks the key present for the next lookup.
+                if self.promote is not None and not self.degraded and self._checks.get(k):
                     self.promote(ns, key)  # pending slot first: the woken lookup parks on it
             else:
                 self._count("exist_miss" if code == 0 else "exist_error")
