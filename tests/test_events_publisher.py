@@ -27,26 +27,15 @@ from kvoffload.events.schema import (
 )
 from prometheus_client import CollectorRegistry
 
-try:
-    from tests.events_helpers import (
-        arecv,
-        batch,
-        ipc_endpoints,
-        prime_raw,
-        sample,
-        stored,
-        wait_until,
-    )
-except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from events_helpers import (  # type: ignore[no-redef]
-        arecv,
-        batch,
-        ipc_endpoints,
-        prime_raw,
-        sample,
-        stored,
-        wait_until,
-    )
+from tests.events_helpers import (
+    arecv,
+    batch,
+    ipc_endpoints,
+    prime_raw,
+    sample,
+    stored,
+    wait_until,
+)
 
 DROPPED = "kvoffload_events_dropped_batches_total"
 

@@ -21,26 +21,15 @@ from kvoffload.events.subscriber import (
 )
 from prometheus_client import CollectorRegistry
 
-try:
-    from tests.events_helpers import (
-        arecv,
-        batch,
-        ipc_endpoints,
-        prime,
-        sample,
-        take,
-        wait_until,
-    )
-except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from events_helpers import (  # type: ignore[no-redef]
-        arecv,
-        batch,
-        ipc_endpoints,
-        prime,
-        sample,
-        take,
-        wait_until,
-    )
+from tests.events_helpers import (
+    arecv,
+    batch,
+    ipc_endpoints,
+    prime,
+    sample,
+    take,
+    wait_until,
+)
 
 M = "kvoffload_events_subscriber_"
 

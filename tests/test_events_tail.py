@@ -16,15 +16,7 @@ from kvoffload.events.schema import AllBlocksCleared, BlockRemoved, EventBatch
 from kvoffload.events.tail import add_events_parser, run_tail, tail
 from prometheus_client import CollectorRegistry
 
-try:
-    from tests.events_helpers import ipc_endpoints, mixed_batch, stored, wait_until
-except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from events_helpers import (  # type: ignore[no-redef]
-        ipc_endpoints,
-        mixed_batch,
-        stored,
-        wait_until,
-    )
+from tests.events_helpers import ipc_endpoints, mixed_batch, stored, wait_until
 
 
 @pytest.fixture

@@ -27,16 +27,7 @@ from kvoffload.events.schema import (
 from kvoffload.events.subscriber import EventSubscriber, Received
 from prometheus_client import CollectorRegistry
 
-try:
-    from tests.events_helpers import arecv, ipc_endpoints, prime_raw, take, wait_until
-except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from events_helpers import (  # type: ignore[no-redef]
-        arecv,
-        ipc_endpoints,
-        prime_raw,
-        take,
-        wait_until,
-    )
+from tests.events_helpers import arecv, ipc_endpoints, prime_raw, take, wait_until
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 try:
