@@ -71,6 +71,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     state_dir: str | None = None
     disk_dir: str | None = None  # local disk tier for blocks evicted from the pool
     disk_bytes: int = 0  # its size bound; must be > 0 with disk_dir
+    # Read bandwidth of the disk tier, for keeping tails: with an engine time model, a tail
+    # evicted from the pool goes to disk only if reading it back beats recomputing it.
+    disk_read_bytes_per_s: float = 6e9
     # Shared tier on a Mooncake Store cluster (daemon/tiers/mooncake.py, docs/tiers.md).
     mooncake_master: str | None = None  # HOST:PORT of mooncake_master; None: tier off
     mooncake_metadata: str = ""  # metadata server URL; "": http://<master host>:8080/metadata
@@ -101,6 +104,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("max_message_bytes", self.max_message_bytes >= 1024, "must be >= 1024"),
             ("max_keys_per_request", self.max_keys_per_request > 0, "must be positive"),
             ("max_clients", self.max_clients > 0, "must be positive"),
+            ("disk_read_bytes_per_s", self.disk_read_bytes_per_s > 0, "must be positive"),
             ("disk_bytes", self.disk_bytes >= 0 and
              (self.disk_dir is None or self.disk_bytes > 0),
              "must be positive when disk_dir is set"),

@@ -78,7 +78,7 @@ class DaemonMetrics:
                                 ["tier", "state"], registry=r)
         self.tier_blocks = Gauge("kvoffload_tier_blocks", "Blocks held by a tier.", ["tier"],
                                  registry=r)
-        self.tier_ops = Counter("kvoffload_tier_ops_total", "Tier operations (write, "
+        self.tier_ops = Counter("kvoffload_tier_ops_total", "Tier operations (write, write_not_worth, "
                                 "write_skipped, write_error, read, read_memory, read_error, "
                                 "eviction).", ["tier", "op"], registry=r)
         self.tier_corrupt = Counter("kvoffload_tier_corrupt_total", "Tier blocks that failed "

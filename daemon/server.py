@@ -91,7 +91,8 @@ class Server:
                                         self.events, self.service._update_pool_gauges)
         elif local:
             self.tiers = Promoter(self.index, local, self.metrics, self.events,
-                                  self.service._update_pool_gauges)
+                                  self.service._update_pool_gauges,
+                                  read_bytes_per_s=config.disk_read_bytes_per_s)
         if self.tiers is not None:
             self.service.lookups.tiers = self.tiers
         self.http = HttpServer(*config.http_host_port, self.metrics.registry, self.readiness)

@@ -33,6 +33,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--disk-dir", help="local disk tier: directory for blocks evicted from "
                    "the pool")
     s.add_argument("--disk-bytes", help="size bound of the disk tier, e.g. 1TiB")
+    s.add_argument("--disk-read-bytes-per-s", type=float,
+                   help="disk read bandwidth for keeping tails worth it (default 6e9)")
     s.add_argument("--mooncake-master", help="shared tier: HOST:PORT of a mooncake_master "
                    "(docs/tiers.md)")
     s.add_argument("--mooncake-metadata", help="Mooncake metadata server URL "
@@ -68,7 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
             "event_hashes", "http",
             "pool_path", "pool_bytes", "slot_bytes", "state_dir", "policy", "lease_ms",
             "log_format", "log_level", "engine_events_max_tokens", "hub", "hub_replay",
-            "hub_buffer_batches", "disk_dir", "disk_bytes", "mooncake_master",
+            "hub_buffer_batches", "disk_dir", "disk_bytes", "disk_read_bytes_per_s", "mooncake_master",
             "mooncake_metadata", "mooncake_local_hostname", "mooncake_protocol",
             "mooncake_device", "mooncake_segment_bytes", "mooncake_buffer_bytes",
             "mooncake_put"]

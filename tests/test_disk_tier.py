@@ -236,3 +236,29 @@ def test_disk_blocks_are_published_as_storage(tmp_path, disk) -> None:
         assert cpu.count(y[2][:-4]) == 2 and cpu.count(y[3][:-4]) == 2  # stored, promoted
         pool.close()
         client.close()
+
+
+def test_only_tails_worth_reading_back_go_to_disk(tmp_path, disk: Path) -> None:
+    """With the engine's time model, a tail that pays from the pool but not from a slow disk
+    is dropped at eviction; complete chunks always go to disk."""
+    with run_daemon(tmp_path, "--disk-dir", str(disk), "--disk-bytes", str(1 << 20),
+                    "--disk-read-bytes-per-s", "1000", pool_bytes=POOL, slot_bytes=SLOT) as d:
+        # 12 tail tokens at 1,000 tokens/s (12 ms) vs 256 extra bytes: 0.26 ms from the pool
+        # (1 MB/s), 256 ms from this disk (1 kB/s).
+        c = DaemonClient(d.control, timeout_ms=5000, time_model=(1000.0, 1e6))
+        c.register(EXAMPLE)
+        pool = open_pool(d)
+        tail = make_key(H[6], 0)
+        grant = c.prepare_store([p.StoreItem(key=tail, end_token=28, tail=True),
+                                 p.StoreItem(key=A[0], end_token=16)])
+        assert grant.outcomes == [p.StoreOutcome.GRANTED] * 2  # the tail pays from the pool
+        for key, slot in zip([tail, A[0]], grant.slots, strict=True):
+            pool[slot * SLOT:(slot + 1) * SLOT] = content(key)
+        c.commit_store([tail, A[0]])
+        store(c, pool, other_keys("fill", 4))  # evicts both
+        wait_for(lambda: metric(d, "kvoffload_tier_ops_total", op="write") >= 1)
+        assert metric(d, "kvoffload_tier_ops_total", op="write_not_worth") == 1
+        assert c.probe([tail]) == [KeyStatus.MISS]  # not in the pool, not on disk
+        assert c.probe([A[0]]) != [KeyStatus.MISS]  # the chunk went to disk
+        pool.close()
+        c.close()

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvoffload.daemon.cost import TailCost, TimeModel
 from kvoffload.daemon.index import BlockIndex, Namespace, SlotState
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.tiers.base import BlockMeta, Tier
@@ -30,8 +31,11 @@ log = logging.getLogger("kvoffload.daemon")
 
 class Promoter:
     def __init__(self, index: BlockIndex, tiers: list[Tier], metrics: DaemonMetrics,
-                 events: Any = None, on_change: Callable[[], None] | None = None) -> None:
+                 events: Any = None, on_change: Callable[[], None] | None = None,
+                 read_bytes_per_s: float = 6e9) -> None:
         self.index = index
+        self.read_bytes_per_s = read_bytes_per_s  # the first tier's, for keeping tails
+        self._keep_cost: dict[int, TailCost] = {}  # namespace id -> its cost model at that rate
         self.tiers = tiers
         self.metrics = metrics
         self.events = events  # DaemonEvents: payload of evicted blocks, events of promoted ones
@@ -48,6 +52,9 @@ class Promoter:
         if tier.contains(ns, key):  # promoted earlier, still there: same key, same bytes
             tier.touch(ns, key)
             return
+        if self.index.tail[slot] and not self._worth_keeping(ns, self.index.end_token[slot]):
+            self.metrics.tier_ops.labels(tier.name, "write_not_worth").inc()
+            return
         view = self.index.pool.view(slot)
         try:
             data = bytes(view)  # the copy must happen now: the slot is reused right after
@@ -56,6 +63,19 @@ class Promoter:
         record = self.events.record_of(slot) if self.events is not None else None
         meta = BlockMeta(self.index.end_token[slot], bool(self.index.tail[slot]), record)
         tier.write(ns, key, data, meta)
+
+    def _worth_keeping(self, ns: Namespace, end_token: int) -> bool:
+        """Keep a tail below the pool only if, read back at this tier's rate, it would still
+        repay its load (the engine's time model; without one every block is kept)."""
+        if ns.cost is None:
+            return True
+        cost = self._keep_cost.get(ns.id)
+        model = ns.cost.model
+        rate = min(model.copy_bytes_per_s, self.read_bytes_per_s)  # bytes as the geometry
+        if cost is None or cost.model.copy_bytes_per_s != rate:
+            cost = TailCost(ns.geometry, TimeModel(model.prefill_tokens_per_s, rate))
+            self._keep_cost[ns.id] = cost
+        return cost.admit_tail(end_token)
 
     # -- up ---------------------------------------------------------------------------
 
