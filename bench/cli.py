@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvoffload.bench.plots import write_plots
+
 # suite name -> (module, function). Each function takes quick: bool and returns a dict.
 SUITES: dict[str, tuple[str, str]] = {
     "events": ("kvoffload.bench.events", "run_events_bench"),
@@ -90,11 +92,15 @@ def run_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
-    (out / "bench.md").write_text(render_markdown(report))
+    plots = write_plots(report, out)
+    markdown = render_markdown(report) + "".join(f"\n![{p.stem}]({p.name})\n" for p in plots)
+    (out / "bench.md").write_text(markdown)
     if args.json:
         print(json.dumps(report))
     else:
-        print(render_markdown(report))
+        print(markdown)
+        if plots:
+            print(f"plots: {', '.join(str(p) for p in plots)}")
     return 0
 
 
