@@ -21,6 +21,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _bars(ax: Any, labels: list[str], series: dict[str, list[float]], ylabel: str) -> None:
     width = 0.8 / max(1, len(series))
     for i, (name, values) in enumerate(series.items()):
@@ -53,11 +60,7 @@ def _hybrid_chat(plt: Any, suite: dict[str, Any], out: Path) -> list[Path]:
     ax2.set_ylabel("prompt tokens")
     ax2.set_title("hybrid chat: where prompt tokens come from")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "hybrid_chat.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(plt, fig, out / "hybrid_chat.png")]
 
 
 def _lookup(plt: Any, suite: dict[str, Any], out: Path) -> list[Path]:
@@ -68,11 +71,7 @@ def _lookup(plt: Any, suite: dict[str, Any], out: Path) -> list[Path]:
     _bars(ax, rows, {q: [suite[r].get(f"{q}_us", 0.0) for r in rows] for q in ("p50", "p99")},
           "microseconds per request")
     ax.set_title(f"lookup of a {suite.get('prompt_tokens', '?')}-token prompt")
-    fig.tight_layout()
-    path = out / "lookup_latency.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(plt, fig, out / "lookup_latency.png")]
 
 
 def _tiers(plt: Any, suite: dict[str, Any], out: Path) -> list[Path]:
@@ -94,11 +93,7 @@ def _tiers(plt: Any, suite: dict[str, Any], out: Path) -> list[Path]:
                         "with the tier": [p[2].get("ttft_ms_mean", 0.0) for p in pairs]},
           "mean simulated TTFT (ms)")
     fig.suptitle("tiers below a small pool")
-    fig.tight_layout()
-    path = out / "tiers.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(plt, fig, out / "tiers.png")]
 
 
 def write_plots(report: dict[str, Any], out: Path) -> list[Path]:

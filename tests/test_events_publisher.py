@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,7 +30,6 @@ from prometheus_client import CollectorRegistry
 from tests.events_helpers import (
     arecv,
     batch,
-    ipc_endpoints,
     prime_raw,
     sample,
     stored,
@@ -38,16 +37,6 @@ from tests.events_helpers import (
 )
 
 DROPPED = "kvoffload_events_dropped_batches_total"
-
-
-@pytest.fixture
-def ipc() -> Iterator[Callable[[str], str]]:
-    yield from ipc_endpoints()
-
-
-@pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
 
 
 def raw_sub(endpoint: str) -> zmq.Socket[Any]:
@@ -96,9 +85,8 @@ async def test_bound_endpoints_report_real_ports(registry: CollectorRegistry) ->
 
 async def test_publish_never_blocks_and_counts_drops(registry: CollectorRegistry) -> None:
     pub = EventPublisher("inproc://never-blocks", queue_size=3, registry=registry)
-    t0 = time.perf_counter()
-    results = [pub.publish(batch(i)) for i in range(1000)]  # no sender running
-    assert time.perf_counter() - t0 < 0.5
+    # No sender runs: a publish that waited for room would never return.
+    results = [pub.publish(batch(i)) for i in range(1000)]
     assert results[:3] == [True] * 3 and not any(results[3:])
     assert sample(registry, DROPPED, stream="kv", reason="queue_full") == 997
     assert pub.queued == 3 and pub.next_seq == 0

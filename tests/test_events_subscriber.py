@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,7 +24,6 @@ from prometheus_client import CollectorRegistry
 from tests.events_helpers import (
     arecv,
     batch,
-    ipc_endpoints,
     prime,
     sample,
     take,
@@ -32,16 +31,6 @@ from tests.events_helpers import (
 )
 
 M = "kvoffload_events_subscriber_"
-
-
-@pytest.fixture
-def ipc() -> Iterator[Callable[[str], str]]:
-    yield from ipc_endpoints()
-
-
-@pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
 
 
 def seqs(items: list[Any]) -> list[int]:
@@ -255,9 +244,9 @@ async def test_dead_replay_endpoint_is_bounded(
         pub.bound_endpoint, ipc("nobody"), from_seq=0, registry=registry, replay_timeout=0.2
     )
     async with pub:
-        t0 = time.monotonic()
-        await sub.start()  # initial replay from 0 times out instead of hanging
-        assert time.monotonic() - t0 < 2
+        # The initial replay from 0 gives up after replay_timeout instead of hanging (the
+        # outer bound only turns a hang into a failure).
+        await asyncio.wait_for(sub.start(), 30)
         try:
             await prime(pub, sub)
             pub.publish(batch(1))

@@ -8,7 +8,7 @@ import io
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from kvoffload.events.publisher import EventPublisher
@@ -16,12 +16,7 @@ from kvoffload.events.schema import AllBlocksCleared, BlockRemoved, EventBatch
 from kvoffload.events.tail import add_events_parser, run_tail, tail
 from prometheus_client import CollectorRegistry
 
-from tests.events_helpers import ipc_endpoints, mixed_batch, stored, wait_until
-
-
-@pytest.fixture
-def ipc() -> Iterator[Callable[[str], str]]:
-    yield from ipc_endpoints()
+from tests.events_helpers import mixed_batch, stored, wait_until
 
 
 def expected_json() -> list[dict[str, object]]:

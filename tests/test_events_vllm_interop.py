@@ -27,7 +27,7 @@ from kvoffload.events.schema import (
 from kvoffload.events.subscriber import EventSubscriber, Received
 from prometheus_client import CollectorRegistry
 
-from tests.events_helpers import arecv, ipc_endpoints, prime_raw, take, wait_until
+from tests.events_helpers import arecv, prime_raw, take, wait_until
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 try:
@@ -91,11 +91,6 @@ def vllm_batch(i: int, rank: int | None = 0) -> Any:
 def our_batch(i: int, rank: int | None = 0) -> EventBatch:
     events = [OURS[name](**kw) for name, kw in EVENTS[i % 2 : i % 2 + 3]]
     return EventBatch(ts=1000.0 + i, events=events, data_parallel_rank=rank)
-
-
-@pytest.fixture
-def ipc() -> Iterator[Callable[[str], str]]:
-    yield from ipc_endpoints()
 
 
 @pytest.fixture

@@ -143,10 +143,9 @@ def test_block_stored_on_one_node_loads_on_another(tmp_path, master, put) -> Non
             store(ca, pa, other_keys("fill", 4))
         wait_for(lambda: metric(a, "kvoffload_tier_ops_total", tier="mooncake", op="write") >= 2)
         # b never saw A: its first lookup parks on the store check, then on the promotion.
-        started = time.monotonic()
-        ans = cb.lookup([query()], wait_ms=5000, pin=True)[0]
+        # A hit before the 60 s deadline can only come from the futures waking it.
+        ans = cb.lookup([query()], wait_ms=60_000, pin=True, timeout_ms=90_000)[0]
         assert ans.hit_tokens == 16 and ans.load_keys == A
-        assert time.monotonic() - started < 3.0  # woken by futures, not the deadline
         for key, slot in zip(ans.load_keys, ans.slots, strict=True):
             assert pb[slot * SLOT:(slot + 1) * SLOT] == content(key)
         cb.complete_load(ans.load_keys)
@@ -172,9 +171,10 @@ def test_dead_master_degrades_the_tier_and_lookups_still_answer(tmp_path, master
         wait_for(lambda: metric(d, "kvoffload_tier_degraded", tier="mooncake") == 1, 20)
         r = ready(d)
         assert r["ready"] and r["checks"]["mooncake"].startswith("degraded")
-        started = time.monotonic()
-        assert client.lookup([query()], wait_ms=2000)[0].hit_tokens == 0  # skipped: a MISS
-        assert time.monotonic() - started < 1.0
+        # Skipped at once: a lookup parked on the dead store would outlast the client's 5 s
+        # timeout (wait_ms 60 s) and raise DaemonUnavailable.
+        ans = client.lookup([query()], wait_ms=60_000, timeout_ms=5000)[0]
+        assert ans.hit_tokens == 0 and ans.miss_reason != "pending"
         pool = open_pool(d)
         store(client, pool, A)  # the pool serves on; the push is dropped and counted
         assert client.lookup([query()])[0].hit_tokens == 16
@@ -182,9 +182,9 @@ def test_dead_master_degrades_the_tier_and_lookups_still_answer(tmp_path, master
         assert urllib.request.urlopen(f"{d.http_url}/healthz", timeout=5).status == 200
         pool.close()
         client.close()
-        started = time.monotonic()
-        assert d.stop(timeout=30) == 0
-        assert time.monotonic() - started < 5  # the client's C++ teardown is skipped
+        # The client's C++ teardown (~20 s against a dead master) is skipped: a stop that
+        # ran it would outlast this bound.
+        assert d.stop(timeout=10) == 0
 
 
 @needs_mooncake
