@@ -97,8 +97,10 @@ class HubPublisher(EventPublisher):
             await super()._replay(client, start)
             return
         # Same loop turn from flush to capture: the state is exactly "after seq S-1".
-        if self._queue and not self._closed:
-            self._drain_chunk(len(self._queue))
+        if not self._closed:
+            self._seal()  # coalesced events are part of "before S"
+            if self._queue:
+                self._drain_chunk(len(self._queue))
         resume = self._seq
         records = list(self._snapshot_source())
         router = self._router

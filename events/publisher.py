@@ -8,6 +8,12 @@ Why it is cheaper per batch than vLLM's (thread + `queue.Queue` + one blocking `
   reused msgspec encoder, a pre-compiled `struct` for the seq frame, and three non-blocking
   `send` calls on a plain (not zmq.asyncio) PUB socket. PUB never blocks, so nothing waits.
 * Prometheus counters are bumped once per drained chunk, not per batch.
+* With `max_batch_events > 1`, bare events published in one loop turn share one batch (up to
+  that many): under load a message carries many events, at no added latency (the batch is
+  sealed when the sender runs, at the end of the producer's loop turn, never on a timer).
+
+The replay buffer is bounded in **events and bytes**, not batches: a late router needs the
+events, and one event per batch would otherwise shrink what a buffer of N batches covers.
 
 Replay (vLLM's protocol, see shared/spec/kv-events.md) runs as a separate task on a ROUTER
 socket; a large replay yields to the loop every `_REPLAY_CHUNK` messages.
@@ -35,7 +41,8 @@ from prometheus_client import CollectorRegistry
 from .metrics import event_metrics
 from .schema import EventBatch, KVCacheEvent, KVEvent, LookupEvent, LookupEventBatch
 
-__all__ = ["END_SEQ", "EventPublisher", "LookupEventPublisher", "is_bind_endpoint"]
+__all__ = ["DEFAULT_BUFFER_BYTES", "DEFAULT_BUFFER_EVENTS", "END_SEQ", "EventPublisher",
+           "LookupEventPublisher", "is_bind_endpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +50,11 @@ SEQ: Final = struct.Struct(">Q")
 END_SEQ: Final = b"\xff" * 8  # replay end marker; never a real seq
 _REPLAY_CHUNK: Final = 256
 _SNDMORE_NB: Final = zmq.SNDMORE | zmq.NOBLOCK
+# Replay buffer bounds. 128 Ki events cover a router that joins after a long warm-up (a 20k-
+# event demo run fits six times); 256 MiB bounds memory when events are large (a 784-token
+# chunk is ~3.5 KB on the wire).
+DEFAULT_BUFFER_EVENTS: Final = 128 * 1024
+DEFAULT_BUFFER_BYTES: Final = 256 << 20
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -67,7 +79,7 @@ class EventPublisher:
         replay_endpoint: str | None = None,
         topic: str = "",
         hwm: int = 100_000,
-        buffer_batches: int = 10_000,
+        buffer_batches: int | None = None,
         queue_size: int = 100_000,
         registry: CollectorRegistry | None = None,
         *,
@@ -77,13 +89,26 @@ class EventPublisher:
         max_drain: int = 1024,
         linger_ms: int = 1000,
         live_filter: Callable[[int], bool] | None = None,
+        buffer_events: int = DEFAULT_BUFFER_EVENTS,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        max_batch_events: int = 1,
+        encode: Callable[[Any], bytes] | None = None,
     ) -> None:
         self._ctx: zmq.Context[Any] = context if context is not None else zmq.Context.instance()
         self._topic = topic.encode("utf-8")
         self._queue: deque[Any] = deque()
         self._queue_size = queue_size
-        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_batches)
+        # (seq, seq frame, payload, events in it); bounded by the three limits below.
+        self._buffer: deque[tuple[int, bytes, bytes, int]] = deque()
+        self._buffer_batches = buffer_batches
+        self._buffer_events = max(1, buffer_events)
+        self._buffer_bytes = max(1, buffer_bytes)
+        self._buffered_events = 0
+        self._buffered_bytes = 0
+        self._max_batch_events = max(1, max_batch_events)
+        self._open: list[Any] = []  # bare events not yet sealed into a batch
         self._encoder = msgspec.msgpack.Encoder()
+        self._encode: Callable[[Any], bytes] = encode or self._encoder.encode
         self._dp_rank = data_parallel_rank
         self._max_drain = max_drain
         self._linger_ms = linger_ms
@@ -121,18 +146,23 @@ class EventPublisher:
         self._replay_endpoint: str | None = None
         try:
             self._pub.setsockopt(zmq.SNDHWM, hwm)
-            if is_bind_endpoint(endpoint):
+            # Our PUB is a server: it binds every endpoint it is given (tcp://127.0.0.1:0
+            # picks a port), so routers connect to it. "connect:EP" is for the rare broker
+            # that binds itself. (vLLM's rule, is_bind_endpoint, connected to a concrete
+            # tcp address, and then no router that connects to us got anything.)
+            if endpoint.startswith("connect:"):
+                self._endpoint = endpoint[len("connect:"):]
+                self._pub.connect(self._endpoint)
+            else:
                 self._pub.bind(endpoint)
                 self._endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self._pub.connect(endpoint)
             if replay_endpoint is not None:
                 actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
                 self._arouter = actx.socket(zmq.ROUTER)
                 self._router = zmq.Socket.shadow(self._arouter.underlying)
-                # Room for a whole replay plus its end marker even when the client reads
-                # slowly (ZMQ acknowledges reads lazily: the sender may see HWM/2 stale slots).
-                self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_batches + 1))
+                # No HWM: a whole replay plus its end marker must fit even when the client
+                # reads slowly; the buffer's own event and byte bounds limit what is queued.
+                self._router.setsockopt(zmq.SNDHWM, 0)
                 self._router.setsockopt(zmq.LINGER, 0)
                 self._router.bind(replay_endpoint)
                 self._replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -161,7 +191,12 @@ class EventPublisher:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + (1 if self._open else 0)
+
+    @property
+    def buffered(self) -> tuple[int, int, int]:
+        """(batches, events, bytes) held for replay."""
+        return len(self._buffer), self._buffered_events, self._buffered_bytes
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -180,6 +215,7 @@ class EventPublisher:
         if self._closed:
             return
         self._closed = True
+        self._seal()
         if flush:
             while self._queue:
                 self._drain_chunk(len(self._queue))
@@ -224,15 +260,29 @@ class EventPublisher:
         if len(self._queue) >= self._queue_size:
             self._drop("queue_full")
             return False
-        try:
-            batch = self._wrap(item)
-        except Exception:  # a producer bug must not take the producer down
-            self._drop("invalid")
-            return False
-        self._queue.append(batch)
+        if self._max_batch_events > 1 and isinstance(item, KVCacheEvent):
+            # Coalesce: sealed into one batch when the sender runs (or when full).
+            self._open.append(item)
+            if len(self._open) >= self._max_batch_events:
+                self._seal()
+        else:
+            try:
+                batch = self._wrap(item)
+            except Exception:  # a producer bug must not take the producer down
+                self._drop("invalid")
+                return False
+            self._seal()  # keep order: events published before this batch go first
+            self._queue.append(batch)
         if not self._scheduled and self._loop is not None:
             self._schedule()
         return True
+
+    def _seal(self) -> None:
+        """Turn the coalesced events into one batch at the end of the queue."""
+        if self._open:
+            self._queue.append(EventBatch(ts=time.time(), events=self._open,
+                                          data_parallel_rank=self._dp_rank))
+            self._open = []
 
     def _drop(self, reason: str) -> None:
         self._m_dropped.labels(self._stream, reason).inc()
@@ -265,19 +315,20 @@ class EventPublisher:
             self._schedule()  # yield to the loop between chunks
 
     def _drain_chunk(self, limit: int) -> None:
+        self._seal()
         q = self._queue
         n = min(len(q), limit)
         if n == 0:
             return
         popleft = q.popleft
-        encode = self._encoder.encode
+        encode = self._encode
         send = self._send
         keep = self._buffer.append
         pack = SEQ.pack
         topic = self._topic
         live_filter = self._live_filter
         seq = self._seq
-        sent = events = 0
+        sent = events = kept_events = kept_bytes = 0
         for _ in range(n):
             batch = popleft()
             try:
@@ -286,22 +337,42 @@ class EventPublisher:
                 self._drop("encode_error")  # no seq consumed: consumers see no hole
                 continue
             seq_bytes = pack(seq)
+            count = len(batch.events)
             if live_filter is None or live_filter(seq):
                 try:
                     send(topic, _SNDMORE_NB)
                     send(seq_bytes, _SNDMORE_NB)
                     send(payload, zmq.NOBLOCK)
                     sent += 1
-                    events += len(batch.events)
+                    events += count
                 except zmq.ZMQError:
                     self._drop("send_error")  # still buffered below: replay can deliver it
-            keep((seq, seq_bytes, payload))
+            keep((seq, seq_bytes, payload, count))
+            kept_events += count
+            kept_bytes += len(payload)
             seq += 1
         self._seq = seq
+        self._buffered_events += kept_events
+        self._buffered_bytes += kept_bytes
+        self._trim()
         if sent:
             self._m_batches.inc(sent)
         if events:
             self._m_events.inc(events)
+
+    def _trim(self) -> None:
+        """Drop the oldest batches beyond the buffer's event, byte and batch bounds.
+
+        The newest batch always stays (unless a batch bound of 0 says keep nothing), so one
+        oversized batch is still replayable."""
+        buf = self._buffer
+        cap = len(buf) if self._buffer_batches is None else self._buffer_batches
+        while buf and (len(buf) > cap or (len(buf) > 1 and (
+                self._buffered_events > self._buffer_events
+                or self._buffered_bytes > self._buffer_bytes))):
+            _, _, payload, count = buf.popleft()
+            self._buffered_events -= count
+            self._buffered_bytes -= len(payload)
 
     # -- replay ------------------------------------------------------------------------------
 
@@ -332,7 +403,7 @@ class EventPublisher:
         router = self._router
         assert router is not None
         topic = self._topic
-        for i, (_, seq_bytes, payload) in enumerate(snapshot, 1):
+        for i, (_, seq_bytes, payload, _n) in enumerate(snapshot, 1):
             # ROUTER without ROUTER_MANDATORY drops (never blocks) for a vanished client.
             router.send_multipart((client, b"", topic, seq_bytes, payload), zmq.NOBLOCK)
             if i % _REPLAY_CHUNK == 0:
