@@ -16,6 +16,7 @@ import json
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -68,6 +69,7 @@ class SimEngine:
         self._ttft_none: list[float] = []
         self.pool: np.ndarray | None = None
         self.reg: p.Registered | None = None
+        self._mm: mmap.mmap | None = None  # set by start(); close() must work without it
 
     async def start(self) -> None:
         await self.client.connect()
@@ -82,7 +84,9 @@ class SimEngine:
 
     def close(self) -> None:
         self.pool = None
-        self._mm.close()
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
 
     def _page(self, slot: int, rank: int, nbytes: int) -> np.ndarray:
         assert self.pool is not None and self.reg is not None
@@ -203,7 +207,12 @@ async def run_demo(args: argparse.Namespace) -> Summary:
                         pool_path=f"/dev/shm/kvoffload-demo-{os.getpid()}",
                         pool_bytes=parse_size(args.pool_bytes))
         server = Server(config)
-        await server.start()
+        try:
+            await server.start()
+        except BaseException:  # nothing left behind: the pool file, sockets, the temp dir
+            await server.shutdown()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         endpoint = server.control_endpoint
     client = AsyncDaemonClient(endpoint, name="kvoffload demo engine")
     engine = SimEngine(client, geometry, args.scale)
@@ -247,7 +256,34 @@ def render(s: Summary, preset: str, scale: float) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    summary = asyncio.run(run_demo(args))
+    """Run the demo; a mistake (unknown preset, bad endpoint, no daemon) is one line, exit 2
+    for a bad argument and 1 for a daemon that cannot be used."""
+    from kvoffload.connector.client import DaemonUnavailable
+    from kvoffload.daemon.startup import StartFault
+
+    from kvoffload.hints import bad_endpoint, unavailable
+
+    def fail(line: str, code: int) -> int:
+        print(f"kvoffload demo: {line}", file=sys.stderr)
+        return code
+
+    if args.preset not in PRESETS:
+        return fail(f"--preset {args.preset}: unknown preset; choices: "
+                    f"{', '.join(sorted(PRESETS))}", 2)
+    if args.connect is not None and (why := bad_endpoint("--connect", args.connect)):
+        return fail(why, 2)
+    try:
+        parse_size(args.pool_bytes)
+    except ValueError as exc:
+        return fail(f"--pool-bytes: {exc}", 2)
+    try:
+        summary = asyncio.run(run_demo(args))
+    except DaemonUnavailable:
+        return fail(unavailable("--connect", args.connect or "(embedded daemon)"), 1)
+    except p.ProtocolError as exc:
+        return fail(f"the daemon refused the demo engine: {exc}", 1)
+    except StartFault as exc:  # the embedded daemon (no --connect) cannot start
+        return fail(f"cannot start the embedded daemon: {exc}", 1)
     if args.json:
         print(json.dumps(asdict(summary)))
     else:

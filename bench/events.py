@@ -103,8 +103,8 @@ def _ours_batches(n: int, per: int) -> list[EventBatch]:
 
 def _round_ours(conn: Connection, ep: str, batches: list[EventBatch], per: int) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
-        pub = EventPublisher(
-            ep, hwm=HWM, queue_size=len(batches) + 1024, registry=CollectorRegistry()
+        pub = EventPublisher(  # the sink binds: our PUB connects to it
+            f"connect:{ep}", hwm=HWM, queue_size=len(batches) + 1024, registry=CollectorRegistry()
         )
         await pub.start()
         conn.send(len(batches) * per)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from kvoffload.daemon.policies import policy_names
 
 ENV_PREFIX = "KVOFFLOAD_"
 
@@ -69,6 +70,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     slot_bytes: int = 0  # 0: taken from the first engine that registers
     prefault: bool = True
     state_dir: str | None = None
+    # A state dir that cannot be used at start (not a folder, read-only, full): "cold" starts
+    # without warm restart, loudly and with kvoffload_state_dir_faulty = 1; "refuse" stops.
+    state_dir_errors: str = "cold"
     disk_dir: str | None = None  # local disk tier for blocks evicted from the pool
     disk_bytes: int = 0  # its size bound; must be > 0 with disk_dir
     # Read bandwidth of the disk tier, for keeping tails: with an engine time model, a tail
@@ -105,6 +109,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("max_keys_per_request", self.max_keys_per_request > 0, "must be positive"),
             ("max_clients", self.max_clients > 0, "must be positive"),
             ("disk_read_bytes_per_s", self.disk_read_bytes_per_s > 0, "must be positive"),
+            ("policy", self.policy.strip().lower() in policy_names(),
+             f"must be one of {', '.join(policy_names())}"),
+            ("state_dir_errors", self.state_dir_errors in ("cold", "refuse"),
+             "must be cold or refuse"),
             ("disk_bytes", self.disk_bytes >= 0 and
              (self.disk_dir is None or self.disk_bytes > 0),
              "must be positive when disk_dir is set"),
@@ -191,7 +199,8 @@ def load_config(
         return msgspec.convert(merged, Config)
     except msgspec.ValidationError as exc:
         text = str(exc)
-        m = re.search(r"\$\.(\w+)", text)
-        key = m.group(1) if m else None
+        # "... at `$.key`" from msgspec, or "key must ..." from Config.__post_init__.
+        m = re.search(r"\$\.(\w+)", text) or re.match(r"(\w+) ", text)
+        key = m.group(1) if m and m.group(1) in _FIELDS else None
         where = sources.get(key, "settings") if key else "settings"
         raise ConfigError(f"{where}: {text}") from None

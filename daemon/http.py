@@ -10,10 +10,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 class HttpServer:
     def __init__(self, host: str, port: int, registry: CollectorRegistry,
-                 readiness: Callable[[], Mapping[str, object]]) -> None:
+                 readiness: Callable[[], Mapping[str, object]],
+                 details: Callable[[], Mapping[str, object]] | None = None) -> None:
         self.host, self.port = host, port
         self._registry = registry
         self._readiness = readiness
+        self._details = details  # extra /readyz fields (the bound endpoints), not checks
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -40,7 +42,9 @@ class HttpServer:
     async def _readyz(self, request: web.Request) -> web.Response:
         checks = self._readiness()
         ok = all(checks.values())
-        return web.json_response({"ready": ok, "checks": checks}, status=200 if ok else 503)
+        extra = dict(self._details()) if self._details is not None else {}
+        return web.json_response({"ready": ok, "checks": checks, **extra},
+                                 status=200 if ok else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self._registry)

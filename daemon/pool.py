@@ -9,6 +9,7 @@ cost must never land on an engine's copy path.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -17,12 +18,14 @@ from array import array
 from collections.abc import Iterable
 from pathlib import Path
 
+from kvoffload.daemon.startup import StartFault, check_space, held_by, human, open_owned, secure_dir
+
 log = logging.getLogger("kvoffload.daemon")
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
-class PoolInUse(RuntimeError):
+class PoolInUse(StartFault):
     """Another live process holds the pool file."""
 
 
@@ -42,18 +45,51 @@ class Pool:
         return self._mm is not None
 
     def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        """Create (or verify and reuse) the pool file, lock it, check that its filesystem
+        can hold it, then size, map and pre-fault it. Raises ``StartFault`` with one line;
+        on failure nothing is left behind (a file this call created is removed)."""
+        secure_dir(self.path.parent, "pool_path")
+        fd, created = open_owned(self.path, "pool_path", "pool file")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise PoolInUse(f"pool_path {self.path} is locked by {held_by(fd)} (another "
+                                "kvoffload daemon): stop it or choose another --pool-path"
+                                ) from None
+            check_space(fd, self.path, self.pool_bytes)
+            self._size(fd)
+            self._mm = mmap.mmap(fd, self.pool_bytes, mmap.MAP_SHARED)
+            if self.prefault:
+                self._touch_all()
+        except BaseException:
+            if self._mm is not None:
+                self._mm.close()
+                self._mm = None
+            if created:
+                self.path.unlink(missing_ok=True)
             os.close(fd)
-            raise PoolInUse(f"pool file {self.path} is in use by another kvoffload daemon") from None
-        os.ftruncate(fd, self.pool_bytes)
+            raise
         self._fd = fd
-        self._mm = mmap.mmap(fd, self.pool_bytes, mmap.MAP_SHARED)
-        if self.prefault:
-            self._touch_all()
+
+    def _size(self, fd: int) -> None:
+        """With pre-faulting, reserve the whole file (a fs that fills up meanwhile is ENOSPC
+        here, not a SIGBUS on first touch); without it, only set the size."""
+        if os.fstat(fd).st_size > self.pool_bytes:
+            os.ftruncate(fd, self.pool_bytes)  # a smaller pool than last run: shrink first
+        if not self.prefault:
+            os.ftruncate(fd, self.pool_bytes)
+            return
+        try:
+            os.posix_fallocate(fd, 0, self.pool_bytes)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise StartFault(f"pool_bytes {human(self.pool_bytes)}: the filesystem of "
+                                 f"{self.path} ran out of space while reserving it: lower "
+                                 "--pool-bytes or make room") from None
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, self.pool_bytes)  # fallocate unsupported: size only
 
     def _touch_all(self) -> None:
         assert self._mm is not None

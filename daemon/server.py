@@ -33,16 +33,26 @@ from kvoffload.daemon.notify import Notifier
 from kvoffload.daemon.pool import Pool
 from kvoffload.daemon.security import CurveGuard, insecure_endpoint_warning
 from kvoffload.daemon.service import Service
+from kvoffload.daemon.startup import (
+    StartFault,
+    check_ipc_folders,
+    held_by,
+    open_owned,
+    probe_state_dir,
+    secure_dir,
+)
 from kvoffload.daemon.tiers import Promoter
 from kvoffload.daemon.tiers.base import Tier
 from kvoffload.daemon.tiers.disk import DiskTier
 from kvoffload.daemon.tiers.mooncake import MooncakeTier
 from kvoffload.daemon.tiers.shared_promote import SharedPromoter
+from prometheus_client import Gauge
 
 log = logging.getLogger("kvoffload.daemon")
 
 
-class StartupError(RuntimeError):
+
+class StartupError(StartFault):
     """The daemon cannot start (endpoint or pool in use, bad path); the message says why."""
 
 
@@ -68,14 +78,23 @@ class Server:
         self.metrics = DaemonMetrics()
         self.pool = Pool(config.pool_path, config.pool_bytes, prefault=config.prefault)
         self.index = BlockIndex(self.pool, config.policy)
-        self.events = DaemonEvents(events=config.events, events_replay=config.events_replay,
-                                   lookup_events=config.lookup_events,
-                                   int_hashes=config.event_hashes == "int",
-                                   registry=self.metrics.registry,
-                                   engine_events=config.engine_events,
-                                   engine_max_tokens=config.engine_events_max_tokens,
-                                   hub=config.hub, hub_replay=config.hub_replay,
-                                   hub_buffer_batches=config.hub_buffer_batches)
+        event_eps = {"events": config.events, "events_replay": config.events_replay,
+                     "lookup_events": config.lookup_events, "hub": config.hub,
+                     "hub_replay": config.hub_replay}
+        check_ipc_folders(event_eps)  # one line naming the setting, not ZMQ's error
+        try:  # the event sockets bind here: an address in use is a start fault
+            self.events = DaemonEvents(events=config.events, events_replay=config.events_replay,
+                                       lookup_events=config.lookup_events,
+                                       int_hashes=config.event_hashes == "int",
+                                       registry=self.metrics.registry,
+                                       engine_events=config.engine_events,
+                                       engine_max_tokens=config.engine_events_max_tokens,
+                                       hub=config.hub, hub_replay=config.hub_replay,
+                                       hub_buffer_batches=config.hub_buffer_batches)
+        except zmq.ZMQError as exc:
+            given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in event_eps.items() if v)
+            raise StartupError(f"cannot bind the event endpoints ({given}): {exc}; choose "
+                               "free addresses (tcp://127.0.0.1:0 picks a port)") from None
         self.service = Service(config, self.index, self.metrics, self.events)
         self.tiers: Promoter | None = None  # with --disk-dir: the disk tier below the pool
         local: list[Tier] = []
@@ -95,7 +114,8 @@ class Server:
                                   read_bytes_per_s=config.disk_read_bytes_per_s)
         if self.tiers is not None:
             self.service.lookups.tiers = self.tiers
-        self.http = HttpServer(*config.http_host_port, self.metrics.registry, self.readiness)
+        self.http = HttpServer(*config.http_host_port, self.metrics.registry, self.readiness,
+                               details=self.bound_endpoints)
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._lock_fd: int | None = None
@@ -107,6 +127,11 @@ class Server:
         self.notifier = Notifier.from_env()
         self.curve: CurveGuard | None = None
         self.journal: Journal | None = None  # with --state-dir: the index's journal
+        self.started = False  # start() completed: only then is there a daemon to stop
+        # A state dir that cannot be used: 1 while the daemon runs cold because of it.
+        self.state_dir_faulty = Gauge("kvoffload_state_dir_faulty", "1 when the state dir "
+                                      "was unusable at start and the daemon started cold.",
+                                      registry=self.metrics.registry)
 
     # -- start ------------------------------------------------------------------------
 
@@ -118,19 +143,33 @@ class Server:
             checks["mooncake"] = self.mooncake.readiness()
         return checks
 
+    def bound_endpoints(self) -> dict[str, object]:
+        """What each socket is bound to (real ports for tcp://...:0), for /readyz and logs."""
+        ev = self.events
+        eps = {"control": self.control_endpoint if self._sock is not None else None,
+               "http": self.http.url or None,
+               "events": ev.kv.bound_endpoint if ev.kv else None,
+               "events_replay": ev.kv.bound_replay_endpoint if ev.kv else None,
+               "lookup_events": ev.lookups.bound_endpoint if ev.lookups else None,
+               "hub": ev.hub.bound_endpoint if ev.hub else None,
+               "hub_replay": ev.hub.bound_replay_endpoint if ev.hub else None}
+        return {"endpoints": {k: v for k, v in eps.items() if v}}
+
     def _lock_ipc(self) -> None:
-        """ZMQ silently takes over an ipc path in use; a lock file makes a 2nd start fail."""
+        """ZMQ silently takes over an ipc path in use; a lock file makes a 2nd start fail.
+        The folder and the lock file are the daemon's own (startup.py says why)."""
         if not self.config.control.startswith("ipc://"):
             return
         path = Path(self.config.control[len("ipc://"):])
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        secure_dir(path.parent, "control")
+        fd, _ = open_owned(Path(f"{path}.lock"), "control", "control lock file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = held_by(fd)
             os.close(fd)
-            raise StartupError(f"control endpoint {self.config.control} is in use by another "
-                               "kvoffload daemon") from None
+            raise StartupError(f"control {self.config.control} is in use by {holder} (another "
+                               "kvoffload daemon): stop it or choose another --control") from None
         self._lock_fd = fd
 
     def _bind(self) -> None:
@@ -169,16 +208,11 @@ class Server:
         try:
             self.pool.open()
         except OSError as exc:
-            raise StartupError(str(exc)) from None
+            raise StartupError(f"pool_path {self.pool.path}: {exc}") from None
         if self.config.slot_bytes:
             self.index.configure(self.config.slot_bytes)
         if self.config.state_dir:  # warm restart: rebuild and validate before any client
-            self.journal = recover_state(self.config.state_dir, self.index,
-                                         self.metrics.registry, self.config.slot_bytes,
-                                         self.service._block_added)
-            for ns in self.index.namespaces:  # re-announced once their payload is known
-                for key, slot in ns.keys.items():
-                    self.events.recovered(ns, key, slot, bool(self.index.tail[slot]))
+            self._recover(Path(self.config.state_dir))
         if self.tiers is not None:  # find the blocks a previous run left on disk
             try:
                 await self.tiers.start()
@@ -189,20 +223,54 @@ class Server:
                 raise StartupError(f"disk tier {self.config.disk_dir}: {exc}") from None
         self._bind()
         await self.events.start()
-        await self.http.start()
+        try:
+            await self.http.start()
+        except OSError as exc:
+            raise StartupError(f"http {self.config.http}: cannot listen: {exc.strerror or exc}"
+                               "; choose a free port with --http HOST:PORT (port 0 picks one)"
+                               ) from None
         self.service.http_url = self.http.url
         loop = asyncio.get_running_loop()
         self._loops = [loop.create_task(self._serve_control()),
                        loop.create_task(self._sweep_leases())]
         self.accepting = True
+        self.started = True
         self.metrics.pool_bytes.labels("total").set(self.pool.pool_bytes)
+        # Recovered state is exported from the first scrape, not from the first client.
+        self.service._update_pool_gauges()
+        self.metrics.engines.set(len(self.index.namespaces))
         log.info("kvoffload daemon ready: control %s, http %s, pool %s (%d bytes, policy %s)",
                  self.control_endpoint, self.http.url, self.pool.path, self.pool.pool_bytes,
                  self.config.policy)
+        log.info("bound endpoints: %s", json.dumps(self.bound_endpoints()["endpoints"]))
         if self.ready_file:
             self._write_ready_file()
         self.notifier.ready(f"serving {self.control_endpoint}")
         self.notifier.start_watchdog()
+
+    def _recover(self, state_dir: Path) -> None:
+        """Warm restart from the state dir, or a cold start when it cannot be used
+        (``state_dir_errors = "cold"``, the default) or one line (``"refuse"``)."""
+        why = probe_state_dir(state_dir)
+        if why is None:
+            try:
+                self.journal = recover_state(state_dir, self.index, self.metrics.registry,
+                                             self.config.slot_bytes, self.service._block_added)
+            except OSError as exc:  # after the probe passed: the disk failed meanwhile
+                raise StartupError(f"state_dir {state_dir}: recovery failed: "
+                                   f"{exc.strerror or exc}; fix the folder or start without "
+                                   "--state-dir") from None
+            for ns in self.index.namespaces:  # re-announced once their payload is known
+                for key, slot in ns.keys.items():
+                    self.events.recovered(ns, key, slot, bool(self.index.tail[slot]))
+            return
+        if self.config.state_dir_errors == "refuse":
+            raise StartupError(f"state_dir {state_dir}: {why}; fix it, or set "
+                               "state_dir_errors = \"cold\" to start without warm restart")
+        self.state_dir_faulty.set(1)
+        log.warning("STATE DIR UNUSABLE: state_dir %s: %s. Starting COLD: nothing is recovered "
+                    "and nothing is journaled until it is fixed and the daemon restarted "
+                    "(state_dir_errors = \"refuse\" stops the start instead)", state_dir, why)
 
     def _write_ready_file(self) -> None:
         """Written whole, then renamed: a watcher never reads a half-written file."""
@@ -333,7 +401,8 @@ class Server:
             os.close(self._lock_fd)
             self._lock_fd = None
         self.notifier.close()
-        log.info("kvoffload daemon stopped")
+        if self.started:  # a start that failed said why; "stopped" would mislead
+            log.info("kvoffload daemon stopped")
 
 
 async def serve(config: Config, ready_file: str | None = None) -> Server:

@@ -178,6 +178,11 @@ def _size(n: int | None) -> str:
     return f"{n} B"  # pragma: no cover - the loop always returns
 
 
+def _n(x: int | None) -> str:
+    """A count for humans: "?" when the chosen sources cannot say (never "None")."""
+    return "?" if x is None else f"{x:,}"
+
+
 def _pct(x: float | None) -> str:
     return "?" if x is None else f"{100 * x:.1f} %"
 
@@ -188,11 +193,11 @@ def render(s: dict[str, Any], sources: list[str]) -> str:
     slot = f" of {_size(s['slot_bytes'])}" if s["slot_bytes"] is not None else ""
     lines = [
         head,
-        f"  clients            {s['clients']}   namespaces {s['namespaces']}",
+        f"  clients            {_n(s['clients'])}   namespaces {_n(s['namespaces'])}",
         f"  pool               {_size(s['bytes_used'])} of {_size(s['bytes_total'])} used "
         f"({_pct(s['pool_used_fraction'])})",
-        f"  blocks             {s['blocks_resident']} resident, {s['blocks_pending']} being "
-        f"stored, {s['pinned_slots']} pinned; {s['num_slots']} slots{slot}",
+        f"  blocks             {_n(s['blocks_resident'])} resident, {_n(s['blocks_pending'])} "
+        f"being stored, {_n(s['pinned_slots'])} pinned; {_n(s['num_slots'])} slots{slot}",
     ]
     if s["lookup_requests_total"] is None:
         lines.append("  (hit rates, misses and counters need --http HOST:PORT)")
@@ -225,9 +230,20 @@ def run_stats(args: argparse.Namespace) -> int:
     samples: Samples | None = None
     sources: list[str] = []
     if endpoint is not None:
+        from kvoffload.connector.client import DaemonUnavailable
+
+        from kvoffload.hints import bad_endpoint, unavailable
+
+        flag = "--connect" if args.connect is not None else "the default control endpoint"
+        if why := bad_endpoint(flag, endpoint):
+            print(f"kvoffload stats: {why}", file=sys.stderr)
+            return 2
         try:
             control = control_stats(endpoint, args.timeout_ms)
-        except Exception as exc:  # unreachable, refused, a bad endpoint: all end the same way
+        except DaemonUnavailable:
+            print(f"kvoffload stats: {unavailable(flag, endpoint)}", file=sys.stderr)
+            return 1
+        except Exception as exc:  # refused or a bad reply: all end the same way
             why = str(exc) if endpoint in str(exc) else f"daemon at {endpoint}: {exc}"
             print(f"kvoffload stats: {why}", file=sys.stderr)
             return 1

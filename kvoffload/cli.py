@@ -30,6 +30,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--pool-bytes", help="pool size, e.g. 64GiB")
     s.add_argument("--slot-bytes", help="bytes per pool slot (default: first engine's block)")
     s.add_argument("--state-dir", help="directory for state that survives restarts")
+    s.add_argument("--state-dir-errors", choices=["cold", "refuse"],
+                   help="a state dir that cannot be used at start: start cold with a warning "
+                        "(default) or refuse to start")
     s.add_argument("--disk-dir", help="local disk tier: directory for blocks evicted from "
                    "the pool")
     s.add_argument("--disk-bytes", help="size bound of the disk tier, e.g. 1TiB")
@@ -47,7 +50,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--mooncake-buffer-bytes", help="client staging buffer (256MiB)")
     s.add_argument("--mooncake-put", choices=["commit", "evict"],
                    help="push blocks to the store on commit (default) or on eviction")
-    s.add_argument("--policy", choices=["lru", "arc"], help="eviction policy (lru)")
+    # No argparse choices: a bad value gets the same one line as from a file or the env.
+    s.add_argument("--policy", help="eviction policy: lru (default) or arc")
     s.add_argument("--lease-ms", type=int, help="client lease in milliseconds (10000)")
     s.add_argument("--log-format", choices=["text", "json"])
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -64,11 +68,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvoffload.daemon.config import ConfigError, load_config
     from kvoffload.daemon.logs import setup_logging
-    from kvoffload.daemon.server import StartupError, run
+    from kvoffload.daemon.server import run
+    from kvoffload.daemon.startup import StartFault
 
     keys = ["curve_server_key", "curve_client_keys", "control", "events", "events_replay", "lookup_events", "engine_events",
             "event_hashes", "http",
-            "pool_path", "pool_bytes", "slot_bytes", "state_dir", "policy", "lease_ms",
+            "pool_path", "pool_bytes", "slot_bytes", "state_dir", "state_dir_errors", "policy", "lease_ms",
             "log_format", "log_level", "engine_events_max_tokens", "hub", "hub_replay",
             "hub_buffer_batches", "disk_dir", "disk_bytes", "disk_read_bytes_per_s", "mooncake_master",
             "mooncake_metadata", "mooncake_local_hostname", "mooncake_protocol",
@@ -83,7 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging(config.log_format, config.log_level)
     try:
         return run(config, args.ready_file)
-    except StartupError as exc:
+    except StartFault as exc:
         print(f"kvoffload: cannot start: {exc}", file=sys.stderr)
         return 1
 

@@ -124,13 +124,13 @@ async def test_live_frames_seq_and_payload(
 
 
 async def test_connect_mode_endpoint(registry: CollectorRegistry) -> None:
-    # A SUB that binds and a publisher that connects (no wildcard: vLLM's connect rule).
+    # A SUB that binds and a publisher that connects ("connect:": the broker case).
     sock = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind("tcp://127.0.0.1:*")
     endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    pub = EventPublisher(endpoint, registry=registry)
+    pub = EventPublisher(f"connect:{endpoint}", registry=registry)
     try:
         assert pub.bound_endpoint == endpoint
         await pub.start()

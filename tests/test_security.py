@@ -175,8 +175,6 @@ def test_ipc_socket_is_0600_in_a_0700_dir(tmp_path: Path) -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.mark.xfail(strict=True, reason="gap (issue 8): an existing control directory open to "
-                   "others is used as is; see docs/security.md 'Known gaps'")
 def test_ipc_refuses_a_control_dir_open_to_others(tmp_path: Path) -> None:
     base = Path(tempfile.mkdtemp(prefix="kvo-perm-"))
     try:
