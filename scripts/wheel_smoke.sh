@@ -16,7 +16,10 @@ cleanup() {
 trap cleanup EXIT
 .venv/bin/python -m pip wheel --no-deps --no-build-isolation -q -w "$work/dist" .
 "$PY" -m venv "$work/venv"
-pip() { "$work/venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+pip() {
+  "$work/venv/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 \
+    | { grep -v '^WARNING: Location' || true; }
+}
 # CPU torch first, as scripts/setup.sh does: a bare requirement would pull the CUDA build.
 pip install "torch==$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')"
 pip install "$work"/dist/kvoffload-*.whl
