@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from kvoffload.daemon import lookup as lk
 from kvoffload.daemon import protocol as p
-from kvoffload.daemon.errors import MAX_KEY_BYTES
+from kvoffload.daemon.errors import MAX_KEY_BYTES, RequestError
 from kvoffload.daemon.errors import bad_request as _bad
 from kvoffload.daemon.index import BlockIndex, Namespace
 from kvoffload.daemon.kv_events import DaemonEvents
@@ -26,6 +26,13 @@ from kvoffload.daemon.types import KeyStatus
 
 # A parked lookup holds memory and a future: bound how long a client can make it wait.
 MAX_WAIT_MS = 60_000
+# Hashes one query may carry: 2M tokens at 16 tokens per hash. A query is one unit of work
+# on the loop (the pure lookup cannot yield), so this bounds the longest stall one query can
+# cause (~0.3 s for a Mamba-only miss, which probes every chunk).
+MAX_QUERY_HASHES = 1 << 17
+# A message whose queries hold more hashes than this is answered in slices of about this
+# many hashes, yielding to the loop in between (other clients, /healthz, timers).
+SLICE_HASHES = 16_384
 
 
 class LookupHandler:
@@ -37,6 +44,11 @@ class LookupHandler:
         self.totals = totals
         # daemon/tiers Promoter, when a tier is configured: asked about keys the pool misses.
         self.tiers: Promoter | None = None
+        # Whether a client still holds its lease (set by the server): a parked lookup of a
+        # client that left takes no pins when its keys commit; nobody would release them.
+        self.client_alive: Callable[[ClientState], bool] = lambda client: True
+        self.draining = False
+        self._stop: asyncio.Future[bool] | None = None  # resolved by stop_waiting()
 
     def _validate_query(self, ns: Namespace, q: p.LookupQuery) -> None:
         tph = ns.geometry.tokens_per_hash
@@ -51,10 +63,14 @@ class LookupHandler:
             n = len(q.hash_blob) // q.hash_bytes
         else:
             n = len(q.block_hashes)
-            # min/max over map(len) run in C: per-hash Python checks cost more than the lookup.
-            if n and (min(map(len, q.block_hashes)) == 0 or
-                      max(map(len, q.block_hashes)) > MAX_KEY_BYTES):
-                raise _bad(f"request {q.req_id!r}: a block hash is empty or too long")
+        if n > MAX_QUERY_HASHES:
+            self.metrics.refused.labels("query_hashes").inc()
+            raise RequestError(p.ErrorCode.TOO_LARGE, f"request {q.req_id!r}: {n} hashes; the "
+                               f"limit is {MAX_QUERY_HASHES} per query")
+        # min/max over map(len) run in C: per-hash Python checks cost more than the lookup.
+        if n and not q.hash_bytes and (min(map(len, q.block_hashes)) == 0 or
+                                       max(map(len, q.block_hashes)) > MAX_KEY_BYTES):
+            raise _bad(f"request {q.req_id!r}: a block hash is empty or too long")
         if n > q.num_tokens // tph:
             raise _bad(f"request {q.req_id!r}: {n} hashes for {q.num_tokens} tokens at "
                        f"{tph} tokens per hash")
@@ -102,6 +118,11 @@ class LookupHandler:
                 out.tail_boundary):
             out, hits = self._decline_tail(ns, q, out, hits, hashes)
             reason = "tail_below_threshold"
+        if pin and out.hit_tokens and not self.client_alive(client):
+            # The client's lease ended while this lookup was parked (it died, or said Bye):
+            # a pin for it would never be released. Answer a miss, pin nothing.
+            out = lk.LookupOutcome(0, 0, None, [], [], out.probes)
+            reason = "client_gone"
         slots: list[int] = []
         if out.hit_tokens is None:
             pass
@@ -191,11 +212,51 @@ class LookupHandler:
         for q in msg.queries:
             self._validate_query(ns, q)
         started = time.perf_counter()
+        if len(msg.queries) > 1 and sum(len(q.hashes()) for q in msg.queries) > SLICE_HASHES:
+            return self._lookup_sliced(client, msg, ns, started)
         answers, waits = self._lookup_all(client, msg, ns, msg.wait_ms <= 0, started)
         self.metrics.lookup_seconds.observe(time.perf_counter() - started)
         if not waits or msg.wait_ms <= 0:
             return p.LookupReply(rid=msg.rid, answers=answers)
         return self._lookup_waiting(client, msg, ns, answers, waits, started)
+
+    async def _lookup_sliced(self, client: ClientState, msg: p.Lookup, ns: Namespace,
+                             started: float) -> p._Msg:
+        """A big message in slices of about SLICE_HASHES hashes, yielding between slices.
+
+        Each query is still answered in one piece (its pins taken at once), so a slice
+        boundary changes nothing a query sees; other clients run in between."""
+        answers: list[p.LookupAnswer] = []
+        waits: list[bytes] = []
+        queries = msg.queries
+        i = 0
+        while i < len(queries):
+            j, budget = i, 0
+            while j < len(queries) and (j == i or budget < SLICE_HASHES):
+                budget += len(queries[j].hashes())
+                j += 1
+            part = p.Lookup(rid=msg.rid, engine=msg.engine, pin=msg.pin, queries=queries[i:j])
+            got, deferred = self._lookup_all(client, part, ns, msg.wait_ms <= 0, started)
+            answers.extend(got)
+            waits.extend(deferred)
+            i = j
+            if i < len(queries):
+                await asyncio.sleep(0)
+        self.metrics.lookup_seconds.observe(time.perf_counter() - started)
+        if not waits or msg.wait_ms <= 0:
+            return p.LookupReply(rid=msg.rid, answers=answers)
+        return await self._lookup_waiting(client, msg, ns, answers, waits, started)
+
+    def stop_waiting(self) -> None:
+        """Shutdown: every parked lookup answers now (a key still pending is a miss)."""
+        self.draining = True
+        if self._stop is not None and not self._stop.done():
+            self._stop.set_result(False)
+
+    def _stop_future(self) -> asyncio.Future[bool]:
+        if self._stop is None:
+            self._stop = asyncio.get_running_loop().create_future()
+        return self._stop
 
     async def _lookup_waiting(self, client: ClientState, msg: p.Lookup, ns: Namespace,
                               answers: list[p.LookupAnswer], waits: list[bytes],
@@ -210,13 +271,15 @@ class LookupHandler:
                 self.tiers.wait(ns, k) if self.tiers is not None else None)  # store checks
                 for k in waits) if f is not None]
             left = deadline - time.monotonic()
-            if left <= 0 or (not futures and not look_again):
+            if left <= 0 or self.draining or (not futures and not look_again):
+                for f in futures:
+                    f.cancel()
                 break
             look_again = bool(futures)
             if futures:
                 self.metrics.futures_waiting.inc()
                 try:
-                    await asyncio.wait(futures, timeout=left,
+                    await asyncio.wait([*futures, self._stop_future()], timeout=left,
                                        return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     self.metrics.futures_waiting.dec()
@@ -225,7 +288,7 @@ class LookupHandler:
             redo = p.Lookup(rid=msg.rid, engine=msg.engine, pin=msg.pin,
                             queries=[q for q, a in zip(msg.queries, answers, strict=True)
                                      if a.hit_tokens is None])
-            final = time.monotonic() >= deadline
+            final = time.monotonic() >= deadline or self.draining
             new_answers, waits = self._lookup_all(client, redo, ns, final, started)
             by_id = {a.req_id: a for a in new_answers}
             answers = [by_id.get(a.req_id, a) if a.hit_tokens is None else a for a in answers]

@@ -13,6 +13,12 @@ from kvoffload import __version__
 
 _LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
                     2.5e-2, 0.1, 0.5, 1.0)
+# Event-loop lag: how late a timer fires. 10 ms is the stall bar, 100 ms the /healthz bar.
+_LAG_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5,
+                10.0)
+# Why the transport refused a request before any handler saw it (server.py, http.py).
+REFUSAL_REASONS = ("frame_too_large", "nesting", "parked_lookups", "query_hashes",
+                   "http_connections", "http_timeout", "http_bad_request")
 
 
 class DaemonMetrics:
@@ -95,12 +101,27 @@ class DaemonMetrics:
                                               registry=r)
         self.tier_degraded = Gauge("kvoffload_tier_degraded", "1 while a tier fails its I/O "
                                    "and is skipped by lookups.", ["tier"], registry=r)
+        # The loop's health (daemon/loop_health.py) and what the transport refused.
+        self.loop_lag = Histogram("kvoffload_event_loop_lag_seconds",
+                                  "How late a periodic timer on the daemon's event loop fired "
+                                  "(a stalled loop delays every client and /healthz).",
+                                  buckets=_LAG_BUCKETS, registry=r)
+        self.loop_lag_max = Gauge("kvoffload_event_loop_lag_max_seconds",
+                                  "Largest event-loop lag seen since start.", registry=r)
+        self.refused = Counter("kvoffload_refused_total",
+                               "Requests or connections refused by a transport limit, by "
+                               "reason.", ["reason"], registry=r)
+        self.http_connections = Gauge("kvoffload_http_connections",
+                                      "Open HTTP connections.", registry=r)
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(reason)
         # Start every bounded label at 0 so rate() sees the first increment.
         for decision in ("load", "store"):
             self.tails_declined.labels(decision)
         for outcome in ("chunk", "tail", "miss", "deferred"):
             self.lookups.labels(outcome)
-        for reason in ("not_stored", "evicted", "group_missing", "pending", "too_short"):
+        for reason in ("not_stored", "evicted", "group_missing", "pending", "too_short",
+                       "client_gone"):
             self.lookup_misses.labels(reason)
         for kind in ("requested", "hit", "chunk_hit", "tail_hit"):
             self.lookup_tokens.labels(kind)

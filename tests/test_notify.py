@@ -140,8 +140,8 @@ def test_abstract_namespace_socket() -> None:
 
 
 async def test_watchdog_pings_from_the_loop_until_stopping(fake_systemd: FakeSystemd) -> None:
-    n = Notifier.from_env({"NOTIFY_SOCKET": fake_systemd.env_value, "WATCHDOG_USEC": "20000"})
-    assert n.watchdog_interval == pytest.approx(0.01)  # half of WATCHDOG_USEC
+    n = Notifier.from_env({"NOTIFY_SOCKET": fake_systemd.env_value, "WATCHDOG_USEC": "40000"})
+    assert n.watchdog_interval == pytest.approx(0.01)  # a quarter of WATCHDOG_USEC
     assert not n.watchdog_running  # systemd arms the watchdog at READY=1, so do we
     n.ready()
     assert n.watchdog_running
@@ -157,7 +157,7 @@ async def test_watchdog_pings_from_the_loop_until_stopping(fake_systemd: FakeSys
 
 def test_watchdog_pid_and_usec_are_honoured(fake_systemd: FakeSystemd) -> None:
     base = {"NOTIFY_SOCKET": fake_systemd.env_value, "WATCHDOG_USEC": "30000000"}
-    assert Notifier.from_env(base).watchdog_interval == pytest.approx(15.0)
+    assert Notifier.from_env(base).watchdog_interval == pytest.approx(7.5)
     assert Notifier.from_env({**base, "WATCHDOG_PID": str(os.getpid())}).watchdog_interval
     # Meant for another process (we inherited the environment): stay quiet.
     assert Notifier.from_env({**base, "WATCHDOG_PID": "1"}).watchdog_interval is None
