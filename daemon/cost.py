@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvoffload.daemon.lookup import LookupPlan, plan_for
-from kvoffload.daemon.types import Geometry, key_group
+from kvoffload.daemon.types import Geometry
 
 PREFILL_TOKENS_PER_S = 10_000.0  # hybrid 27B on one H200 (workloads.md)
 COPY_BYTES_PER_S = 50e9  # pinned host-to-device, PCIe Gen5 x16
@@ -54,10 +54,10 @@ class TailCost:
 
     def key_bytes(self, key: bytes) -> int:
         """Bytes one load of ``key`` moves (its group's block, every TP rank)."""
-        return self._group_bytes[key_group(key)]
+        return self._group_bytes[self.geometry.group_pos(key)]
 
     def load_bytes(self, keys: Sequence[bytes]) -> int:
-        return sum(self._group_bytes[key_group(k)] for k in keys)
+        return sum(self._group_bytes[self.geometry.group_pos(k)] for k in keys)
 
     def _pays(self, hashes: Sequence[bytes], local: int, chunk: int, hit: int,
               boundary: int) -> bool:

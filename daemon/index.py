@@ -6,8 +6,13 @@ slot back to its key. The eviction policy tracks slot numbers, not keys, so bloc
 namespace compete for the same pool. Per stored block this costs the key's bytes object, one
 dict entry, a few array cells and the policy's entry (measured in tests/test_index.py).
 
-A key is PENDING from ``prepare`` until ``commit`` or ``abort``; callers that want to know how
-it ends ``wait`` on a future that resolves True (readable) or False (gone). Nothing polls.
+A key is PENDING from ``prepare`` (or ``claim`` of a reserved slot) until ``commit`` or
+``abort``; callers that want to know how it ends ``wait`` on a future that resolves True
+(readable) or False (gone). Nothing polls.
+
+Every transition is mirrored into the shared index (``shared_index.py``) that engines read in
+place. A slot's generation grows each time it is handed to a writer; a READY slot that loses
+its key while engines read the index is retired, not freed (``reclaim.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvoffload.daemon import shared_index as si
 from kvoffload.daemon.cost import TailCost
 from kvoffload.daemon.policies import EvictionPolicy, make_policy
 from kvoffload.daemon.pool import Pool
+from kvoffload.daemon.reclaim import Reclaimer
 from kvoffload.daemon.types import Geometry, KeyStatus
 
 
@@ -28,6 +35,12 @@ class SlotState(enum.IntEnum):
     FREE = 0
     PENDING = 1
     READY = 2
+    RESERVED = 3  # handed to one engine's store reservation, no key yet
+    RETIRED = 4  # lost its key; reused once no reader can still act on it (reclaim.py)
+
+
+# What readers of the shared index see for each state (no key: nothing to act on).
+_SHARED_STATE = {SlotState.PENDING: si.PENDING, SlotState.READY: si.READY}
 
 
 @dataclass(slots=True)
@@ -65,6 +78,10 @@ class BlockIndex:
         # Called only for capacity evictions (not reset/drop), before on_drop and while the
         # slot still holds the block's bytes: a lower tier (daemon/tiers) copies them out.
         self.on_evict: list[Listener] = []
+        self.shared: si.SharedIndexWriter | None = None
+        self._share: tuple[str, str] | None = None
+        self.reclaimer = Reclaimer()
+        self.owners: dict[str, int] = {}  # engine instance -> owner id (0: nobody known)
         self._size(0)
 
     def _size(self, n: int) -> None:
@@ -74,14 +91,60 @@ class BlockIndex:
         self.end_token = array("I", bytes(4 * n))
         self.tail = bytearray(n)
         self.slot_key: list[bytes | None] = [None] * n
+        self.gen = array("I", bytes(4 * n))  # grows whenever the slot goes to a new writer
+        self.owner = array("H", bytes(2 * n))  # who stored the block (reset of one engine's)
+        self.reserved_by: dict[int, object] = {}  # RESERVED slot -> holder (a client)
+        self.max_retired = max(64, n // 8)
         # Kept on every transition so gauges and stats cost O(1), not a scan of the pool.
         self.n_ready = self.n_pending = self.n_pinned = 0
+
+    def share(self, path: str, daemon_id: str) -> None:
+        """Publish the index at ``path`` once the pool is configured (see ``configure``)."""
+        self._share = (path, daemon_id)
 
     def configure(self, slot_bytes: int) -> None:
         self.pool.configure(slot_bytes)
         self._size(self.pool.num_slots)
         # ARC sizes its ghost lists by the number of slots, known only now.
         self.policy = make_policy(self.policy_name, self.pool.num_slots)
+        if self._share is not None:
+            self.shared = si.SharedIndexWriter(self._share[0], self.pool.num_slots,
+                                               self._share[1])
+            self.reclaimer.read_record = self.shared.read_reader
+
+    @property
+    def epoch(self) -> int:
+        """Position of the shared index's change ring: what readers report back."""
+        return self.shared.head if self.shared is not None else 0
+
+    def owner_id(self, instance: str) -> int:
+        if not instance:
+            return 0
+        oid = self.owners.get(instance)
+        if oid is None:
+            oid = self.owners[instance] = len(self.owners) + 1 if len(self.owners) < 65534 else 0
+        return oid
+
+    def publish(self, slot: int) -> None:
+        """Mirror one slot into the shared index (after every change of it)."""
+        if self.shared is None:
+            return
+        state = _SHARED_STATE.get(SlotState(self.state[slot]), si.FREE)
+        key = self.slot_key[slot] if state != si.FREE else None
+        ns = self.namespaces[self.ns_of[slot]] if key is not None else None
+        flags = 0
+        if ns is not None and self.tail[slot]:
+            flags |= si.FLAG_TAIL
+            if ns.cost is not None and not ns.cost.admit_tail(self.end_token[slot]):
+                flags |= si.FLAG_NOT_WORTH
+        self.shared.write(slot, self.gen[slot], ns.id if ns is not None else 0, state, flags,
+                          key)
+
+    def republish(self, ns: Namespace) -> None:
+        """A namespace's time model changed: its tails' not-worth flags follow."""
+        for slot in ns.keys.values():
+            if self.tail[slot]:
+                self.publish(slot)
 
     # -- namespaces -------------------------------------------------------------------
 
@@ -126,13 +189,15 @@ class BlockIndex:
     def _evictable(self, slot: int) -> bool:
         return self.state[slot] == SlotState.READY and self.pins[slot] == 0
 
-    def prepare(self, ns: Namespace, key: bytes, end_token: int, tail: bool) -> Prepared:
-        """Reserve a slot for ``key`` (PENDING); evict one unpinned READY block if full."""
-        if key in ns.keys:
-            return Prepared(None, True, [])
-        evicted: list[tuple[Namespace, bytes, int]] = []
+    def _alloc(self, evicted: list[tuple[Namespace, bytes, int]]) -> int | None:
+        """A free slot, reclaiming retired ones, else evicting one unpinned READY block."""
         slot = self.pool.alloc()
         if slot is None:
+            self.reclaim()
+            slot = self.pool.alloc()
+        # Evicted slots that readers may still see are retired, not reusable at once: stop
+        # evicting while enough of them wait, or a lagging reader would empty the pool.
+        if slot is None and self.reclaimer.backlog < self.max_retired:
             for victim in self.policy.victims(1, self._evictable):
                 victim_key = self.slot_key[victim]
                 if victim_key is not None:
@@ -140,13 +205,68 @@ class BlockIndex:
                         listener(self.namespaces[self.ns_of[victim]], victim_key, victim)
                 evicted.append(self._forget(victim))
             slot = self.pool.alloc()
-            if slot is None:
-                return Prepared(None, False, evicted)
-        self._occupy(ns, key, slot, SlotState.PENDING, end_token, tail)
+        if slot is not None:
+            self.gen[slot] += 1  # a new writer: old readers' copies of it now fail their check
+        return slot
+
+    def prepare(self, ns: Namespace, key: bytes, end_token: int, tail: bool,
+                owner: int = 0) -> Prepared:
+        """Reserve a slot for ``key`` (PENDING); evict one unpinned READY block if full."""
+        if key in ns.keys:
+            return Prepared(None, True, [])
+        evicted: list[tuple[Namespace, bytes, int]] = []
+        slot = self._alloc(evicted)
+        if slot is None:
+            return Prepared(None, False, evicted)
+        self._occupy(ns, key, slot, SlotState.PENDING, end_token, tail, owner)
         return Prepared(slot, False, evicted)
 
+    def reserve(self, holder: object, n: int) -> tuple[list[tuple[int, int]],
+                                                       list[tuple[Namespace, bytes, int]]]:
+        """Up to ``n`` empty slots for one engine's stores, as (slot, generation) pairs.
+
+        Evicts as needed; an evicted slot that readers may still see is retired, so it comes
+        back in a later reservation, not this one.
+        """
+        granted: list[tuple[int, int]] = []
+        evicted: list[tuple[Namespace, bytes, int]] = []
+        for _ in range(n):
+            slot = self._alloc(evicted)
+            if slot is None:
+                break
+            self.state[slot] = SlotState.RESERVED
+            self.reserved_by[slot] = holder
+            granted.append((slot, self.gen[slot]))
+            self.publish(slot)  # readers see the generation move
+        return granted, evicted
+
+    def claim(self, ns: Namespace, key: bytes, slot: int, gen: int, end_token: int,
+              tail: bool, holder: object, owner: int = 0) -> bool | None:
+        """Put ``key`` into a slot ``holder`` reserved: True, False (key exists: the slot stays
+        reserved), None (not this holder's slot or generation: refused)."""
+        if not 0 <= slot < len(self.state) or self.state[slot] != SlotState.RESERVED \
+                or self.reserved_by.get(slot) is not holder or self.gen[slot] != gen:
+            return None
+        if key in ns.keys:
+            return False
+        del self.reserved_by[slot]
+        self._occupy(ns, key, slot, SlotState.PENDING, end_token, tail, owner)
+        return True
+
+    def unreserve(self, slot: int, fence_s: float = 0.0) -> None:
+        """Give back a reserved slot; ``fence_s``: its writer may still be writing it."""
+        if self.state[slot] != SlotState.RESERVED:
+            return
+        self.reserved_by.pop(slot, None)
+        self.state[slot] = SlotState.FREE
+        if fence_s > 0:
+            self.state[slot] = SlotState.RETIRED
+            self.reclaimer.fence(slot, fence_s)
+        else:
+            self.pool.free(slot)
+
     def _occupy(self, ns: Namespace, key: bytes, slot: int, state: SlotState, end_token: int,
-                tail: bool) -> None:
+                tail: bool, owner: int = 0) -> None:
         """Record ``key`` in ``slot`` (every per-slot array, the counters, the namespace)."""
         ns.keys[key] = slot
         self.state[slot] = state
@@ -158,6 +278,8 @@ class BlockIndex:
         self.end_token[slot] = end_token
         self.tail[slot] = tail
         self.slot_key[slot] = key
+        self.owner[slot] = owner
+        self.publish(slot)
 
     def commit(self, ns: Namespace, key: bytes) -> bool:
         slot = ns.keys.get(key)
@@ -167,6 +289,7 @@ class BlockIndex:
         self.n_pending -= 1
         self.n_ready += 1
         self.policy.on_insert(slot)
+        self.publish(slot)
         self._resolve(slot, True)
         for listener in self.on_ready:
             listener(ns, key, slot)
@@ -177,16 +300,18 @@ class BlockIndex:
 
         No listeners run: the journal already holds it and nothing was published this run.
         """
+        self.gen[slot] += 1
         self._occupy(ns, key, slot, SlotState.READY, end_token, tail)
         self.policy.on_insert(slot)
 
-    def abort(self, ns: Namespace, key: bytes) -> bool:
+    def abort(self, ns: Namespace, key: bytes, fence_s: float = 0.0) -> bool:
         slot = ns.keys.get(key)
         if slot is None or self.state[slot] != SlotState.PENDING:
             return False
         for listener in self.on_abort:
             listener(ns, key, slot)
-        self._release_slot(ns, key, slot)
+        # Nobody loads a PENDING block, so only a writer that may still be at work delays reuse.
+        self._release_slot(ns, key, slot, fence_s=fence_s)
         self._resolve(slot, False)
         return True
 
@@ -215,28 +340,61 @@ class BlockIndex:
             self.n_pinned += 1
         self.pins[slot] += 1
 
+    def pin_generation(self, slot: int, gen: int) -> bool:
+        """Pin a slot an engine saw READY at generation ``gen``: also a retired one, whose
+        bytes are intact until reclaimed. False when the slot went to another writer."""
+        if not 0 <= slot < len(self.state) or self.gen[slot] != gen:
+            return False
+        if self.state[slot] not in (SlotState.READY, SlotState.RETIRED):
+            return False
+        self.pin(slot)
+        return True
+
     def unpin(self, slot: int) -> None:
         if self.pins[slot]:
             self.pins[slot] -= 1
             if not self.pins[slot]:
                 self.n_pinned -= 1
+                if self.state[slot] == SlotState.RETIRED and self.reclaimer.unpinned(slot):
+                    self._free(slot)
 
     def touch(self, slot: int) -> None:
         if self.state[slot] == SlotState.READY:
             self.policy.on_access(slot)
 
-    def _release_slot(self, ns: Namespace, key: bytes, slot: int) -> None:
+    def _free(self, slot: int) -> None:
+        self.state[slot] = SlotState.FREE
+        self.pool.free(slot)
+
+    def reclaim(self) -> int:
+        """Free every retired slot no reader and no pin can reach any more."""
+        freed = self.reclaimer.reclaim(lambda s: self.pins[s] > 0)
+        for slot in freed:
+            self._free(slot)
+        return len(freed)
+
+    def _release_slot(self, ns: Namespace, key: bytes, slot: int, fence_s: float = 0.0) -> None:
         del ns.keys[key]
-        if self.state[slot] == SlotState.READY:
+        was_ready = self.state[slot] == SlotState.READY
+        if was_ready:
             self.n_ready -= 1
         elif self.state[slot] == SlotState.PENDING:
             self.n_pending -= 1
+        self.slot_key[slot] = None
+        # Readers may hold this slot as a HIT until they apply the change published now.
+        retire = was_ready and bool(self.reclaimer.readers)
+        self.state[slot] = SlotState.RETIRED if retire or fence_s > 0 else SlotState.FREE
+        self.publish(slot)
+        if retire:
+            self.reclaimer.retire(slot, self.epoch)
+            return  # pins (and their count) stay until the loads that hold them complete
         if self.pins[slot]:
             self.n_pinned -= 1
-        self.state[slot] = SlotState.FREE
         self.pins[slot] = 0
-        self.slot_key[slot] = None
-        self.pool.free(slot)
+        if fence_s > 0:
+            self.reclaimer.fence(slot, fence_s)
+        else:
+            self.pool.free(slot)
 
     def _forget(self, slot: int) -> tuple[Namespace, bytes, int]:
         """Drop a READY slot the policy already forgot; tell listeners."""
@@ -258,8 +416,10 @@ class BlockIndex:
         self._forget(slot)
         return True
 
-    def reset(self, ns: Namespace) -> int:
-        return sum(self.drop(ns, key) for key in list(ns.keys))
+    def reset(self, ns: Namespace, owner: int | None = None) -> int:
+        """Drop a namespace's ready, unpinned blocks (only ``owner``'s, when given)."""
+        keys = [k for k, s in ns.keys.items() if owner is None or self.owner[s] == owner]
+        return sum(self.drop(ns, key) for key in keys)
 
     def slots_of(self, ns: Namespace) -> Iterator[tuple[bytes, int]]:
         return iter(ns.keys.items())

@@ -24,6 +24,11 @@ class ClientState:
     last_seen: float = field(default_factory=time.monotonic)
     pins: Counter[int] = field(default_factory=Counter)  # slot -> pins held by this client
     pending: set[int] = field(default_factory=set)  # slots this client prepared, not closed
+    reserved: set[int] = field(default_factory=set)  # empty slots held for its next stores
+    engines: set[int] = field(default_factory=set)  # namespaces it registered (its handles)
+    owner: int = 0  # its engine instance's owner id (who stored a block)
+    reads_index: bool = False
+    reader_record: int = -1  # its record in the shared index's readers file
 
     def expires_at(self) -> float:
         return self.last_seen + self.lease_ms / 1000

@@ -131,7 +131,7 @@ class LookupPlan:
             groups.append(
                 GroupPlan(
                     index=idx,
-                    suffix=make_key(b"", idx),
+                    suffix=make_key(b"", geometry.group_id(idx)),
                     tokens_per_block=tpb,
                     tokens_per_chunk=tpc,
                     hashes_per_chunk=tpc // tph,
@@ -463,7 +463,7 @@ def lookup(geometry: Geometry | LookupPlan, query: LookupQuery, probe: Probe) ->
 def chunk_keys(geometry: Geometry, block_hashes: Sequence[bytes], group_idx: int) -> list[bytes]:
     """Keys of every complete chunk of a group: the last fine hash inside each chunk."""
     step = geometry.hashes_per_chunk(group_idx)
-    suffix = make_key(b"", group_idx)
+    suffix = make_key(b"", geometry.group_id(group_idx))
     return [block_hashes[pos] + suffix for pos in range(step - 1, len(block_hashes), step)]
 
 
@@ -474,4 +474,4 @@ def tail_key(
     tph = geometry.tokens_per_hash
     if boundary <= 0 or boundary % tph:
         raise ValueError(f"boundary {boundary} is not a positive multiple of {tph}")
-    return make_key(block_hashes[boundary // tph - 1], group_idx)
+    return make_key(block_hashes[boundary // tph - 1], geometry.group_id(group_idx))

@@ -61,6 +61,11 @@ class Register(_Msg, tag="register"):
     # loaded. Bytes are the geometry's, all TP ranks together.
     prefill_tokens_per_s: float = 0.0
     copy_bytes_per_s: float = 0.0
+    # An engine's manager that answers vLLM from the shared index (shared_index.py): the daemon
+    # then holds freed slots for it (reclaim.py) and assigns it a reader record.
+    reads_index: bool = False
+    # Who is storing (vLLM's engine_id): ``Reset(scope="own")`` drops only its blocks.
+    instance: str = ""
 
 
 class LookupQuery(msgspec.Struct, frozen=True, kw_only=True):
@@ -150,9 +155,63 @@ class Bye(_Msg, tag="bye"):
 
 
 class Reset(_Msg, tag="reset"):
-    """Drop every ready, unpinned block of one engine's namespace."""
+    """Drop ready, unpinned blocks of one engine's namespace: all of them, or ("own") only those
+    this client's engine instance stored."""
 
     engine: int
+    scope: str = "namespace"
+
+
+class SlotRef(msgspec.Struct, frozen=True, array_like=True):
+    """A key in a slot at one writer generation, as the engine saw it in the shared index."""
+
+    key: bytes
+    slot: int
+    gen: int
+
+
+class StoreClaim(msgspec.Struct, frozen=True, kw_only=True):
+    """Put a key into a slot of this engine's reservation (the bytes follow from its workers)."""
+
+    item: StoreItem
+    slot: int
+    gen: int
+
+
+class LookupReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What vLLM's scheduler decided for one request, for the daemon's lookup events."""
+
+    req_id: str
+    num_tokens: int
+    num_prompt_tokens: int = 0
+    local_tokens: int = 0
+    hit_tokens: int | None = None  # None: deferred
+    chunk_tokens: int = 0  # of hit_tokens, what complete chunks serve (the rest is a tail)
+    tail_boundary: int | None = None
+    hit_keys: list[bytes] = []
+    pending_keys: list[bytes] = []
+    miss_reason: str | None = None
+    latency_us: int | None = None
+
+
+class Step(_Msg, tag="step"):
+    """Everything one scheduler step of an index reader writes, sent once, without waiting.
+
+    Handled in field order; ``epoch`` (the shared-index position the step's decisions were read
+    from) is recorded last, after the pins it protects.
+    """
+
+    engine: int
+    epoch: int
+    pins: list[SlotRef] = []
+    releases: list[SlotRef] = []
+    claims: list[StoreClaim] = []
+    commits: list[SlotRef] = []
+    aborts: list[SlotRef] = []
+    unreserve: list[SlotRef] = []  # reserved slots handed back (key empty)
+    reserve: int = 0  # ask for this many more reserved slots
+    finds: list[bytes] = []  # keys missing from the pool: look in the lower tiers
+    lookups: list[LookupReport] = []
 
 
 Request = (
@@ -169,6 +228,7 @@ Request = (
     | Stats
     | Reset
     | Bye
+    | Step
 )
 
 # ------------------------------------------------------------------------------- replies
@@ -189,6 +249,12 @@ class Registered(_Msg, tag="registered"):
     rank_bytes: int
     num_slots: int
     pool_path: str
+    daemon_id: str = ""
+    index_path: str = ""  # the shared index engines read in place ("" without one)
+    readers_path: str = ""
+    reader_record: int = -1  # this client's record in readers_path
+    epoch: int = 0  # the shared index's position at registration
+    has_tiers: bool = False  # keys missing from the pool may be on disk / in Mooncake
 
 
 class LookupAnswer(msgspec.Struct, frozen=True, kw_only=True):
@@ -223,6 +289,17 @@ class LoadGrant(_Msg, tag="load_grant"):
     slots: list[int]  # -1 where the key is not ready (then nothing is pinned for it)
 
 
+class StepReply(_Msg, tag="step_reply"):
+    granted: list[tuple[int, int]] = []  # new reserved (slot, gen)
+    lost: list[bytes] = []  # pins refused: the slot went to another writer (load must fail)
+    exists: list[bytes] = []  # claims of keys stored meanwhile (slot stays reserved)
+    refused: list[bytes] = []  # claims or commits that do not match a slot of ours
+    found: list[bytes] = []  # finds a lower tier is promoting (they read PENDING now)
+    not_found: list[bytes] = []
+    no_space: bool = False  # the reservation could not be filled: the pool is all pinned
+    epoch: int = 0
+
+
 class Ack(_Msg, tag="ack"):
     count: int = 0
 
@@ -243,6 +320,7 @@ Reply = (
     | ProbeReply
     | StoreGrant
     | LoadGrant
+    | StepReply
     | Ack
     | StatsReply
     | Error

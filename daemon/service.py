@@ -25,12 +25,19 @@ from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.leases import ClientState, Leases, drop_pin, take_pin
 from kvoffload.daemon.lookups import LookupHandler
 from kvoffload.daemon.metrics import DaemonMetrics
+from kvoffload.daemon.shared_index import index_path_for
+from kvoffload.daemon.steps import StepHandler
 from kvoffload.daemon.types import Geometry, GroupKind, KeyStatus, key_group
 
 log = logging.getLogger("kvoffload.daemon")
 
 # Namespaces are never forgotten while the daemon runs: bound what clients can make it keep.
 MAX_NAMESPACES = 4096
+# Without --slot-bytes the first engine sizes the pool's slots: refuse a block size that would
+# make a useless pool: ~120 B of bookkeeping per slot (index, policy, shared index) past 2M
+# slots, or fewer slots than one long request stores.
+MAX_SLOTS = 1 << 21
+MIN_SLOTS = 16
 
 
 
@@ -73,6 +80,11 @@ class Service:
         self._pending_owner: dict[int, ClientState] = {}
         self.totals: Counter[str] = Counter()  # lifetime counters for the Stats reply
         self.lookups = LookupHandler(index, metrics, events, self.totals)
+        self.steps = StepHandler(index, metrics, events, self.totals, config.max_reserved_slots)
+        self.steps.pending_owner = self._pending_owner
+        if config.shared_index:
+            index.share(str(index_path_for(index.pool.path)), self.daemon_id)
+        self._free_records = list(range(config.max_clients - 1, -1, -1))
         self.http_url = ""
         index.on_ready.append(self._block_added)
         index.on_drop.append(self._block_removed)
@@ -82,7 +94,7 @@ class Service:
             p.CommitStore: self.commit_store, p.PinLoad: self.pin_load,
             p.CompleteLoad: self.complete_load, p.Touch: self.touch,
             p.Heartbeat: self.heartbeat, p.Stats: self.stats, p.Reset: self.reset,
-            p.Bye: self.bye,
+            p.Bye: self.bye, p.Step: self.step,
         }
 
     # -- dispatch ---------------------------------------------------------------------
@@ -97,11 +109,19 @@ class Service:
         if client is None:
             raise RequestError(p.ErrorCode.TOO_LARGE,
                                f"client limit reached ({self.config.max_clients})")
-        for field in ("keys", "items", "queries"):
+        for field in ("keys", "items", "queries", "pins", "releases", "claims", "commits",
+                      "aborts", "unreserve", "finds", "lookups"):
             n = len(getattr(msg, field, ()))
             if n > self.config.max_keys_per_request:
                 raise RequestError(p.ErrorCode.TOO_LARGE, f"{n} {field} in one request; the "
                                    f"limit is {self.config.max_keys_per_request}")
+        engine = getattr(msg, "engine", None)
+        if engine is not None and engine not in client.engines:
+            # Handles are per client and per daemon run: after a restart an old handle may
+            # name another namespace, so nobody may use one it did not get from Register.
+            raise RequestError(p.ErrorCode.NOT_REGISTERED,
+                               f"engine {engine} is not registered by this client with daemon "
+                               f"{self.daemon_id}")
         return self.handlers[type(msg)](client, msg)
 
     def _ns(self, engine: int) -> Namespace:
@@ -136,9 +156,21 @@ class Service:
     def register(self, client: ClientState, msg: p.Register) -> p.Registered:
         g = msg.geometry
         validate_geometry(g, msg.rank)
+        rates = (msg.prefill_tokens_per_s, msg.copy_bytes_per_s)
+        if not all(0 <= r < float("inf") for r in rates):  # NaN fails both comparisons
+            raise _bad("prefill_tokens_per_s and copy_bytes_per_s must be finite and >= 0")
         pool = self.index.pool
         if not pool.configured:
-            self.index.configure(self.config.slot_bytes or g.slot_bytes())
+            want = g.slot_bytes()
+            low = -(-pool.pool_bytes // MAX_SLOTS)
+            if not low <= want <= pool.pool_bytes // MIN_SLOTS:
+                raise RequestError(
+                    p.ErrorCode.GEOMETRY_MISMATCH,
+                    f"this engine's block ({want} bytes) would size the pool's slots, and a "
+                    f"slot must be {low}..{pool.pool_bytes // MIN_SLOTS} bytes for a pool of "
+                    f"{pool.pool_bytes} bytes ({MIN_SLOTS}..{MAX_SLOTS} slots); set "
+                    "--slot-bytes (or pool_bytes) for the engines of this node")
+            self.index.configure(self.config.slot_bytes or want)
         if g.slot_bytes() > pool.slot_bytes:
             raise RequestError(p.ErrorCode.GEOMETRY_MISMATCH,
                                f"one block of this engine needs {g.slot_bytes()} bytes; pool "
@@ -151,16 +183,30 @@ class Service:
             ns = self.index.namespace(g)
         except ValueError as exc:
             raise RequestError(p.ErrorCode.GEOMETRY_MISMATCH, str(exc)) from None
-        rates = (msg.prefill_tokens_per_s, msg.copy_bytes_per_s)
-        if not all(0 <= r < float("inf") for r in rates):
-            raise _bad("prefill_tokens_per_s and copy_bytes_per_s must be finite and >= 0")
         if all(rates):  # the latest engine's time model serves its namespace
             ns.cost = TailCost(g, TimeModel(*rates))
+            self.index.republish(ns)
+        client.engines.add(ns.id)
+        client.owner = self.index.owner_id(msg.instance)
+        shared = self.index.shared
+        if msg.reads_index and shared is not None and not client.reads_index:
+            if not self._free_records:
+                raise RequestError(p.ErrorCode.TOO_LARGE, "every reader record is in use")
+            client.reads_index = True
+            client.reader_record = self._free_records.pop()
+            shared.clear_reader(client.reader_record)
+            self.index.reclaimer.add_reader(client.identity, self.index.epoch,
+                                            client.reader_record)
         self.metrics.engines.set(len(self.index.namespaces))
         self._update_pool_gauges()
-        return p.Registered(rid=msg.rid, engine=ns.id, slot_bytes=pool.slot_bytes,
-                            rank_bytes=pool.slot_bytes // g.tp_world_size,
-                            num_slots=pool.num_slots, pool_path=str(pool.path))
+        return p.Registered(
+            rid=msg.rid, engine=ns.id, slot_bytes=pool.slot_bytes,
+            rank_bytes=pool.slot_bytes // g.tp_world_size, num_slots=pool.num_slots,
+            pool_path=str(pool.path), daemon_id=self.daemon_id,
+            index_path=str(shared.path) if shared is not None else "",
+            readers_path=str(shared.readers_path) if shared is not None else "",
+            reader_record=client.reader_record, epoch=self.index.epoch,
+            has_tiers=self.lookups.tiers is not None)
 
     def heartbeat(self, client: ClientState, msg: p.Heartbeat) -> p.Ack:
         return p.Ack(rid=msg.rid)
@@ -168,7 +214,7 @@ class Service:
     def bye(self, client: ClientState, msg: p.Bye) -> p.Ack:
         """A clean goodbye: release what the client holds now, not after its lease."""
         pending = len(client.pending)
-        released = self._release_client(client)
+        released = self._release_client(client, fence=False)
         self.metrics.stores.labels("aborted").inc(pending)
         self.leases.clients.pop(client.identity, None)
         self.metrics.clients.set(len(self.leases))
@@ -243,8 +289,8 @@ class Service:
         done = 0
         for key in msg.keys:
             slot = ns.keys.get(key)
-            if slot is None:
-                continue
+            if slot is None or slot not in client.pending:
+                continue  # not a store of this client's: not its to close
             ok = self.index.commit(ns, key) if msg.ok else self.index.abort(ns, key)
             if ok:
                 done += 1
@@ -296,8 +342,16 @@ class Service:
             self.index.touch(slot)
         return p.Ack(rid=msg.rid, count=len(slots))
 
+    def step(self, client: ClientState, msg: p.Step) -> p.StepReply:
+        reply = self.steps.handle(client, self._ns(msg.engine), msg)
+        self._update_pool_gauges()
+        return reply
+
     def reset(self, client: ClientState, msg: p.Reset) -> p.Ack:
-        count = self.index.reset(self._ns(msg.engine))
+        if msg.scope not in ("namespace", "own"):
+            raise _bad("scope must be 'namespace' or 'own'")
+        owner = client.owner if msg.scope == "own" else None
+        count = self.index.reset(self._ns(msg.engine), owner)
         self.metrics.evictions.labels(self.index.policy.name, "reset").inc(count)
         self._update_pool_gauges()
         return p.Ack(rid=msg.rid, count=count)
@@ -320,7 +374,7 @@ class Service:
             self._update_pool_gauges()
         return len(gone)
 
-    def _release_client(self, client: ClientState) -> int:
+    def _release_client(self, client: ClientState, fence: bool = True) -> int:
         """Drop a departing client's pins and abort its pending stores; returns how many."""
         released = 0
         for slot, n in client.pins.items():
@@ -328,13 +382,23 @@ class Service:
                 self.index.unpin(slot)
             released += n
         client.pins.clear()
+        # Its workers may still be writing what it held: those slots wait a lease before reuse.
+        fence_s = client.lease_ms / 1000 if fence else 0.0
         for slot in list(client.pending):
             key = self.index.slot_key[slot]
             if key is not None and self.index.state[slot] == SlotState.PENDING:
-                self.index.abort(self.index.namespaces[self.index.ns_of[slot]], key)
+                self.index.abort(self.index.namespaces[self.index.ns_of[slot]], key,
+                                 fence_s=fence_s)
                 released += 1
             self._pending_owner.pop(slot, None)
         client.pending.clear()
+        record = client.reader_record
+        released += self.steps.release_client(client, fence_s)
+        if record >= 0:
+            self._free_records.append(record)
+            client.reader_record = -1
+            client.reads_index = False
+        self.index.reclaim()
         self._update_pool_gauges()
         return released
 

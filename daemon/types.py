@@ -109,6 +109,22 @@ class Geometry(msgspec.Struct, frozen=True):
     tokens_per_hash: int
     tp_world_size: int = 1
     blocks_per_chunk: int = 1
+    # vLLM's KV-cache group id of each group, in the same order (vLLM keys carry the id, which
+    # need not be 0..n-1 when some groups are not offloaded). Empty: the ids are 0..n-1.
+    group_ids: tuple[int, ...] = ()
+
+    def group_id(self, pos: int) -> int:
+        """The group id that keys of the ``pos``-th group carry."""
+        return self.group_ids[pos] if self.group_ids else pos
+
+    def group_pos(self, key: bytes) -> int:
+        """Which of ``groups`` a key belongs to; ValueError for a group id we do not have."""
+        gid = key_group(key)
+        if not self.group_ids:
+            if gid >= len(self.groups):
+                raise ValueError(f"group {gid} of {len(self.groups)}")
+            return gid
+        return self.group_ids.index(gid)
 
     def tokens_per_chunk(self, group_idx: int) -> int:
         return self.groups[group_idx].tokens_per_block * self.blocks_per_chunk

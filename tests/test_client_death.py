@@ -58,6 +58,7 @@ def _die_in_batch(endpoint: str, first: int, n: int, ready_keys: list[bytes]) ->
         # Pipelined on one connection: the daemon handles them in order.
         for msg in (p.Hello(rid=1, version=p.PROTOCOL_VERSION, client=f"doomed {i}",
                             lease_ms=LEASE_MS),
+                    p.Register(rid=4, geometry=EXAMPLE),  # handles are per client
                     p.PrepareStore(rid=2, engine=0, items=[p.StoreItem(key=k, end_token=16)
                                                            for k in new]),
                     p.PinLoad(rid=3, engine=0, keys=pins)):
@@ -65,7 +66,7 @@ def _die_in_batch(endpoint: str, first: int, n: int, ready_keys: list[bytes]) ->
         socks.append(s)
     held = {"granted": 0, "pinned": 0}
     for s in socks:
-        for _ in range(3):
+        for _ in range(4):
             assert s.poll(20_000), "the daemon stopped answering"
             reply = p.reply_decoder.decode(s.recv())
             if isinstance(reply, p.StoreGrant):
@@ -73,7 +74,7 @@ def _die_in_batch(endpoint: str, first: int, n: int, ready_keys: list[bytes]) ->
             elif isinstance(reply, p.LoadGrant):
                 held["pinned"] += sum(slot >= 0 for slot in reply.slots)
             else:
-                assert isinstance(reply, p.Welcome), reply
+                assert isinstance(reply, (p.Welcome, p.Registered)), reply
         s.close(linger=0)  # death: no Bye, no commit, no complete_load
     return held
 

@@ -199,6 +199,13 @@ def test_dead_writer_pending_store_is_released_after_lease(tmp_path) -> None:
         while other.stats()["pending"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert other.probe([make_key(H[0], 0), make_key(H[1], 0)]) == [KeyStatus.MISS] * 2
+        # Fenced first: the dead writer's workers may still be writing those slots, so they
+        # come back only a lease later (issue 16: no reuse while an old grant can write).
+        first = other.prepare_store([p.StoreItem(key=make_key(H[5], 0), end_token=24)])
+        assert first.outcomes == [p.StoreOutcome.NO_SPACE]
+        deadline = time.monotonic() + 10
+        while other.stats()["free_slots"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         # Both slots are free again: pool usage is back where it was.
         again = other.prepare_store([p.StoreItem(key=make_key(H[5], g), end_token=24)
                                      for g in (0, 1)])
