@@ -203,6 +203,40 @@ def test_daemon_starts_without_a_master(tmp_path) -> None:
             m.kill()
 
 
+@needs_mooncake
+def test_blocks_stored_before_the_tier_connects_are_queued_then_pushed(tmp_path) -> None:
+    m = Master(tmp_path)  # ports reserved, nothing listening yet
+    with run_daemon(tmp_path, *m.args(), pool_bytes=POOL, slot_bytes=SLOT) as a:
+        client = DaemonClient(a.control, timeout_ms=5000)
+        client.register(EXAMPLE)
+        pool = open_pool(a)
+        store(client, pool, A)  # before any master exists: queued, not dropped
+        assert metric(a, "kvoffload_tier_ops_total", tier="mooncake", op="write_queued") == 2
+        assert metric(a, "kvoffload_tier_ops_total", tier="mooncake", op="write_skipped") == 0
+        assert "2 blocks queued" in ready(a)["checks"]["mooncake"]
+        m.start()
+        try:
+            connected(a)
+            wait_for(lambda: metric(a, "kvoffload_tier_ops_total", tier="mooncake",
+                                    op="write") == 2, 20)
+            # They are really in the store: another node that never saw them loads them.
+            with run_daemon(tmp_path, *m.args(), pool_bytes=POOL, slot_bytes=SLOT) as b:
+                connected(b)
+                cb = DaemonClient(b.control, timeout_ms=5000)
+                cb.register(EXAMPLE)
+                ans = cb.lookup([query()], wait_ms=60_000, pin=True, timeout_ms=90_000)[0]
+                assert ans.hit_tokens == 16 and ans.load_keys == A
+                pb = open_pool(b)
+                for key, slot in zip(ans.load_keys, ans.slots, strict=True):
+                    assert pb[slot * SLOT:(slot + 1) * SLOT] == content(key)
+                pb.close()
+                cb.close()
+        finally:
+            m.kill()
+        pool.close()
+        client.close()
+
+
 def test_mooncake_master_binary_is_where_setup_puts_it() -> None:
     if _SKIP:
         pytest.skip(_SKIP)

@@ -21,6 +21,12 @@ pending slot and park on it until the commit. Nothing polls. Answers are cached 
 Unreachable store: ``setup`` is only attempted once the master's port answers (it blocks for
 minutes otherwise), a health check runs every second, and while it fails (or operations keep
 failing) the tier is degraded: lookups skip it, puts are dropped and counted.
+
+Not connected yet (the daemon started before its master, or setup is still running): what is
+stored meanwhile is queued, up to ``mooncake_buffer_bytes``, counted as
+``kvoffload_tier_ops_total{op="write_queued"}``, and pushed once the first health check
+passes (then counted as ``write``); beyond the bound it is dropped as ``write_skipped``.
+Without the queue a demo run right after ``/readyz`` answered pushed none of its blocks.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ class MooncakeTier(Tier):
         self._store: Any = None
         self._setup_thread: threading.Thread | None = None
         self._healthy = False
+        self._connected_once = False  # until then, puts queue (bounded) instead of dropping
         self._errors = 0
         self._io = ThreadPoolExecutor(4, thread_name_prefix="kvo-mc-io")
         self._puts = ThreadPoolExecutor(1, thread_name_prefix="kvo-mc-put")
@@ -110,6 +117,9 @@ class MooncakeTier(Tier):
         return self._store is None or not self._healthy or self._errors >= _DEGRADED_AFTER
 
     def readiness(self) -> str:
+        if not self._connected_once:
+            return (f"degraded: not connected to {self.config.mooncake_master} yet "
+                    f"({len(self._put_queue)} blocks queued)")
         if self._store is None:
             return f"degraded: not connected to {self.config.mooncake_master}"
         return "degraded: store unreachable" if self.degraded else "ok"
@@ -304,11 +314,15 @@ class MooncakeTier(Tier):
 
     def write(self, ns: Namespace, key: bytes, data: bytes, meta: BlockMeta) -> bool:
         k = self._k(ns, key)
-        if self.degraded or k in self._present or \
-                self._put_bytes + len(data) > self._max_backlog:
+        waiting = not self._connected_once
+        limit = self.config.mooncake_buffer_bytes if waiting else self._max_backlog
+        if (self.degraded and not waiting) or k in self._present or \
+                self._put_bytes + len(data) > limit:
             self._stats.writes_skipped += 1
             self._count("write_skipped")
             return False
+        if waiting:
+            self._count("write_queued")
         self._mark_present(k)  # ours to read back from now (reads fall back to a miss)
         self._put_queue.append((k, data, encode_meta(meta)))
         self._put_bytes += len(data)
@@ -319,7 +333,7 @@ class MooncakeTier(Tier):
         """Push a pool block: from an index listener (commit or eviction)."""
         if self._k(ns, key) in self._present:
             return  # fetched from the store, or pushed already: same key, same bytes
-        if self.degraded:
+        if self.degraded and self._connected_once:  # before the first connect: queued
             self._stats.writes_skipped += 1
             self._count("write_skipped")
             return
@@ -333,7 +347,7 @@ class MooncakeTier(Tier):
                                             bool(self.index.tail[slot]), record))
 
     def _flush_puts(self) -> None:
-        if self._put_running or not self._put_queue:
+        if self._put_running or not self._put_queue or not self._connected_once:
             return
         limit = self.config.mooncake_buffer_bytes // 2
         batch: list[tuple[tuple[bytes, bytes], bytes, bytes]] = []
@@ -415,6 +429,12 @@ class MooncakeTier(Tier):
                 self._healthy = rc == 0
                 if self._healthy and was:
                     self._errors = 0  # reachable again: let operations prove it
+                if self._healthy and not self._connected_once:
+                    self._connected_once = True
+                    if self._put_queue:
+                        log.info("mooncake tier: pushing %d blocks stored before it connected",
+                                 len(self._put_queue))
+                    self._flush_puts()
                 if self.degraded != was:
                     log.warning("mooncake tier: %s", self.readiness())
                 self.metrics.tier_degraded.labels(self.name).set(int(self.degraded))
