@@ -62,7 +62,19 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine_events_max_tokens: int = 8 << 20  # token budget of the engines' GPU-block index
     hub: str | None = None  # node hub PUB: engines' GPU events + our CPU events, one stream
     hub_replay: str | None = None  # hub ROUTER: vLLM replay plus the snapshot request
-    hub_buffer_batches: int = 10_000  # hub replay buffer
+    hub_buffer_batches: int = 0  # hub replay buffer: extra cap in batches (0: none)
+    # Router-facing event streams (docs/events.md, docs/routers.md): profile, topic, batching,
+    # replay buffer (events and bytes, for --events, --hub and every view), per-engine views.
+    events_profile: str = "full"  # "full", "dynamo" or "llm-d"
+    events_tails: bool | None = None  # partial tails on the stream (None: the profile's default)
+    events_ownership: str = ""  # value of BlockStored/BlockRemoved.ownership ("": absent)
+    events_topic: str | None = None  # topic template with {node}, {model} (None: profile's)
+    events_node: str = ""  # {node} in the topic ("": this host's name)
+    events_model: str = ""  # {model} in the topic: the served model name routers hash with
+    events_batch_events: int = 256  # at most this many events per batch (1: one per batch)
+    events_buffer_events: int = 128 * 1024  # replay buffer bound in events
+    events_buffer_bytes: int = 256 << 20  # replay buffer bound in payload bytes
+    engine_views: list[str] = []  # "rank=R,events=EP[,replay=EP][,engine=I][,namespace=NS]"
     event_hashes: str = "int"  # "int": last 8 bytes big-endian (vLLM's default); "bytes": raw
     http: str = "127.0.0.1:9400"
     pool_path: str = "/dev/shm/kvoffload-pool"
@@ -128,6 +140,13 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
              "and curve_server_key must be set together"),
             ("http", ":" in self.http, "must be HOST:PORT"),
             ("event_hashes", self.event_hashes in ("int", "bytes"), "must be int or bytes"),
+            ("events_profile", self.events_profile in ("full", "dynamo", "llm-d"),
+             "must be full, dynamo or llm-d"),
+            ("events_batch_events", self.events_batch_events >= 1, "must be >= 1"),
+            ("events_buffer_events", self.events_buffer_events >= 1, "must be >= 1"),
+            ("events_buffer_bytes", self.events_buffer_bytes >= 1, "must be >= 1"),
+            ("events_ownership", not (self.events_ownership and self.events_profile == "dynamo"),
+             "cannot be set with the dynamo profile (Dynamo 1.6.1 drops such events)"),
             ("control", "://" in self.control, "must be a ZMQ endpoint like ipc:///run/x.sock"),
             ("log_level", self.log_level.lower() in
              ("debug", "info", "warning", "error"), "must be debug, info, warning or error"),
@@ -145,6 +164,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 # Read by clients (connector), not by the daemon: never an unknown-setting error.
 _CLIENT_ENV = {"KVOFFLOAD_CURVE_CLIENT_KEY", "KVOFFLOAD_CURVE_SERVER_PUBLIC_KEY"}
 _SIZE_KEYS = {"pool_bytes", "slot_bytes", "max_message_bytes", "disk_bytes",
+              "events_buffer_bytes",
               "mooncake_segment_bytes", "mooncake_buffer_bytes"}
 _FIELDS = {f.name: f for f in msgspec.structs.fields(Config)}
 
@@ -157,10 +177,10 @@ def _coerce(key: str, raw: Any, source: str) -> Any:
             return parse_size(raw)
         if isinstance(raw, str) and source.startswith("environment"):
             # Environment values are strings: convert them the way the field expects.
-            if key == "engine_events":
+            if key in ("engine_events", "engine_views"):
                 # ";" or whitespace separates engines: "," already pairs EP,REPLAY_EP.
                 return [e for e in re.split(r"[;\s]+", raw) if e]
-            if key == "prefault":
+            if key in ("prefault", "events_tails"):
                 return raw.lower() in ("1", "true", "yes", "on")
             if _FIELDS[key].type in (int, "int"):
                 return int(raw)

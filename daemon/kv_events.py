@@ -19,24 +19,38 @@ With the node hub (``--hub``) every published CPU event also goes to the hub, an
 every resident block is kept (one ``StoredRecord`` per slot, token arrays shared by the groups
 that list the same hashes) so the hub can answer snapshots.
 
+Router profiles (``--events-profile``, events/profiles.py) decide what each consumer gets: the
+filter runs in ``_emit`` and at chunk building (engine-block chunks for Dynamo); a suppressed
+store is remembered so its removal is suppressed too. Per-engine views (``--engine-view``, or
+``add_engine_view`` called on Register) publish the same events with one engine's
+``data_parallel_rank``, optionally merged with that engine's own GPU stream.
+
 Lookup events (``--lookup-events``) use our own versioned schema on their own endpoint: routers
 reject batches holding unknown event types, so the two streams never mix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from array import array
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.engine_streams import DEFAULT_MAX_TOKENS, EngineStreams
 from kvoffload.daemon.index import Namespace
 from kvoffload.daemon.types import key_group, key_hash
 from kvoffload.events.hub import HubPublisher, StoredRecord
-from kvoffload.events.publisher import EventPublisher, LookupEventPublisher
+from kvoffload.events.profiles import Profile, ViewSpec, make_profile, parse_view_spec
+from kvoffload.events.publisher import (
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_BUFFER_EVENTS,
+    EventPublisher,
+    LookupEventPublisher,
+)
 from kvoffload.events.schema import (
     AllBlocksCleared,
     BlockRemoved,
@@ -44,6 +58,8 @@ from kvoffload.events.schema import (
     EventBatch,
     KVEvent,
     LookupEvent,
+    encode_batch,
+    encode_batch_positional,
     hash_to_int,
 )
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -52,6 +68,29 @@ log = logging.getLogger("kvoffload.daemon")
 
 MAX_AWAITING_PAYLOAD = 65_536
 RECENTLY_EVICTED = 65_536
+QUIET_KEYS = 1 << 18  # (hashes, group) of stores a profile suppressed, for their removals
+
+
+@dataclasses.dataclass(slots=True)
+class EngineView:
+    """One per-engine publisher: our events stamped with `spec.rank` (+ an engine's GPU)."""
+
+    spec: ViewSpec
+    pub: EventPublisher
+
+
+def event_options(config: Any) -> dict[str, Any]:
+    """DaemonEvents keyword arguments from the daemon's Config (one place for server.py)."""
+    from kvoffload.events.profiles import format_topic
+
+    profile = make_profile(config.events_profile, tails=config.events_tails,
+                           ownership=config.events_ownership or None,
+                           topic=config.events_topic)
+    topic = format_topic(profile.topic, node=config.events_node, model=config.events_model)
+    return {"profile": profile, "topic": topic, "batch_events": config.events_batch_events,
+            "buffer_events": config.events_buffer_events,
+            "buffer_bytes": config.events_buffer_bytes,
+            "engine_views": list(config.engine_views)}
 
 
 class DaemonEvents:
@@ -60,15 +99,31 @@ class DaemonEvents:
                  hwm: int = 100_000, buffer_batches: int = 10_000,
                  engine_events: list[str] | None = None,
                  engine_max_tokens: int = DEFAULT_MAX_TOKENS, hub: str | None = None,
-                 hub_replay: str | None = None, hub_buffer_batches: int = 10_000) -> None:
+                 hub_replay: str | None = None, hub_buffer_batches: int | None = None,
+                 profile: Profile | None = None, topic: str = "", batch_events: int = 256,
+                 buffer_events: int = DEFAULT_BUFFER_EVENTS,
+                 buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+                 engine_views: list[str] | None = None) -> None:
         self.int_hashes = int_hashes
-        self.kv = (EventPublisher(events, events_replay, hwm=hwm, buffer_batches=buffer_batches,
-                                  registry=registry) if events else None)
+        self.profile = profile or make_profile()
+        self.registry = registry
+        # Every router-facing publisher (stream, hub, views) shares these settings.
+        self._pub_options: dict[str, Any] = {
+            "hwm": hwm, "registry": registry, "topic": topic, "buffer_events": buffer_events,
+            "buffer_bytes": buffer_bytes, "max_batch_events": batch_events,
+            "encode": encode_batch_positional if self.profile.positional else encode_batch}
+        self.kv = (EventPublisher(events, events_replay, buffer_batches=buffer_batches or None,
+                                  **self._pub_options) if events else None)
         self.lookups = (LookupEventPublisher(lookup_events, hwm=hwm, registry=registry)
                         if lookup_events else None)
-        self.hub = (HubPublisher(hub, hub_replay, hwm=hwm, buffer_batches=hub_buffer_batches,
-                                 registry=registry, snapshot=self._snapshot)
+        self.hub = (HubPublisher(hub, hub_replay, buffer_batches=hub_buffer_batches or None,
+                                 snapshot=self._snapshot, **self._pub_options)
                     if hub else None)
+        self.views: list[EngineView] = []
+        for spec in engine_views or []:
+            self._open_view(parse_view_spec(spec))
+        # (hashes, group) of stores the profile did not publish: their removals stay quiet.
+        self._quiet: OrderedDict[tuple[Any, ...], None] = OrderedDict()
         self.engines = (EngineStreams(engine_events, registry, max_tokens=engine_max_tokens,
                                       on_batch=self._engine_batch, on_block=self._engine_block)
                         if engine_events else None)
@@ -101,10 +156,16 @@ class DaemonEvents:
 
     @property
     def enabled(self) -> bool:
-        return self.kv is not None or self.hub is not None
+        return self.kv is not None or self.hub is not None or bool(self.views)
+
+    @property
+    def _keep_records(self) -> bool:
+        # Views added later (on Register) announce what is resident: keep the records then.
+        return self.hub is not None or self.keep_payloads or bool(self.views)
 
     async def start(self) -> None:
-        for pub in (self.kv, self.lookups, self.hub):
+        self._started = True
+        for pub in (self.kv, self.lookups, self.hub, *(v.pub for v in self.views)):
             if pub is not None:
                 await pub.start()
         if self.engines is not None:
@@ -113,9 +174,43 @@ class DaemonEvents:
     async def aclose(self) -> None:
         if self.engines is not None:
             await self.engines.aclose()
-        for pub in (self.kv, self.lookups, self.hub):
+        for pub in (self.kv, self.lookups, self.hub, *(v.pub for v in self.views)):
             if pub is not None:
                 await pub.aclose(flush=True)
+
+    # -- per-engine views ---------------------------------------------------------------
+
+    _started = False
+
+    def _open_view(self, spec: ViewSpec) -> EngineView:
+        options = {**self._pub_options, "topic": spec.topic or self._pub_options["topic"]}
+        pub = EventPublisher(spec.endpoint, spec.replay, data_parallel_rank=spec.rank,
+                             stream=f"view-{spec.rank}", **options)
+        view = EngineView(spec, pub)
+        self.views.append(view)
+        return view
+
+    async def add_engine_view(self, spec: ViewSpec | str) -> EngineView:
+        """Open one more per-engine view now (the hook for Register); returns it bound.
+
+        The new view first announces every resident block of its namespace (records are
+        kept once a view exists; blocks stored before that, without a hub or disk tier,
+        are announced only when stored again), then carries the live events.
+        """
+        view = self._open_view(parse_view_spec(spec) if isinstance(spec, str) else spec)
+        if self._started:
+            await view.pub.start()
+        backlog = [rec.to_event() for rec in self._resident.values()
+                   if view.spec.namespace is None]
+        for ev in backlog:
+            view.pub.publish(ev)
+        return view
+
+    async def remove_engine_view(self, view: EngineView) -> None:
+        """Close a view (its engine left); routers see its stream end."""
+        if view in self.views:
+            self.views.remove(view)
+            await view.pub.aclose(flush=True)
 
     def _hash(self, h: bytes) -> Any:
         return hash_to_int(h) if self.int_hashes else h
@@ -140,7 +235,7 @@ class DaemonEvents:
         if restored is not None:  # promoted from a tier: the event it had before eviction
             self._publish_stored(slot, key, dataclasses.replace(  # REMOTE: shared tier
                 restored, medium="CPU",
-                locality="REMOTE" if restored.locality == "REMOTE" else "LOCAL").to_event())
+                locality="REMOTE" if restored.locality == "REMOTE" else "LOCAL").to_event(), ns)
             return
         event = self._block_stored(ns, key, slot, item)
         if event is None and item is not None and not item.tail:
@@ -156,7 +251,7 @@ class DaemonEvents:
                 self.incomplete.labels("overflow").inc()
             self.awaiting_gauge.set(len(self._awaiting))
             return
-        self._publish_stored(slot, key, event)
+        self._publish_stored(slot, key, event, ns, item is not None and item.tail)
 
     def recovered(self, ns: Namespace, key: bytes, slot: int, tail: bool) -> None:
         """A block recovered from the state dir after a restart. Its payload (token ids) died
@@ -182,23 +277,48 @@ class DaemonEvents:
                 del self._awaiting_by_hash[h]
         return True
 
-    def _emit(self, event: KVEvent) -> None:
+    def _emit(self, event: KVEvent, ns: Namespace | None = None, tail: bool = False) -> bool:
+        """Publish `event` to every router-facing stream, as the profile says; False: not."""
+        if not self.profile.allows(event, tail):
+            return False
+        if (self._quiet and isinstance(event, BlockStored | BlockRemoved)
+                and self._quiet_key(event.block_hashes, event.group_idx) in self._quiet):
+            return False  # its store was not published (or this is its tier copy)
+        if self.profile.ownership is not None and isinstance(event, BlockStored | BlockRemoved):
+            event = msgspec.structs.replace(event, ownership=self.profile.ownership)
         if self.kv is not None:
             self.kv.publish(event)
         if self.hub is not None:
             self.hub.publish(event)
+        for view in self.views:
+            want = view.spec.namespace
+            if want is None or ns is None or ns.geometry.namespace == want:
+                view.pub.publish(event)
+        return True
 
-    def _publish_stored(self, slot: int, key: bytes, event: BlockStored) -> None:
+    def _quiet_key(self, hashes: Any, group: int | None) -> tuple[Any, ...]:
+        return (tuple(hashes), group)
+
+    def _hush(self, hashes: Any, group: int | None) -> None:
+        key = self._quiet_key(hashes, group)
+        self._quiet[key] = None
+        self._quiet.move_to_end(key)
+        if len(self._quiet) > QUIET_KEYS:
+            self._quiet.popitem(last=False)
+
+    def _publish_stored(self, slot: int, key: bytes, event: BlockStored,
+                        ns: Namespace | None = None, tail: bool = False) -> None:
         if event.block_hashes != [self._hash(key_hash(key))]:
             self._listed[slot] = list(event.block_hashes)
-        if self.hub is not None or self.keep_payloads:
+        if self._keep_records:
             listed = tuple(event.block_hashes)
             shared = self._tokens.get(listed)
             if shared is None or shared[0].tolist() != event.token_ids:
                 shared = self._tokens[listed] = [array("I", event.token_ids), 0]
             shared[1] += 1
             self._resident[slot] = StoredRecord.from_event(event, tokens=shared[0])
-        self._emit(event)
+        if not self._emit(event, ns, tail):
+            self._hush(event.block_hashes, event.group_idx)
 
     # -- completion from engine streams -------------------------------------------------
 
@@ -213,7 +333,7 @@ class DaemonEvents:
             if event is not None:
                 self._unawait(slot)
                 self.completed.inc()
-                self._publish_stored(slot, key, event)
+                self._publish_stored(slot, key, event, ns)
         self.awaiting_gauge.set(len(self._awaiting))
 
     def _wire(self, h: Any) -> Any:
@@ -228,7 +348,7 @@ class DaemonEvents:
             return None
         g = ns.geometry
         group = key_group(key)
-        spec = g.groups[group]
+        spec = g.groups[g.group_pos(key)]
         need = spec.tokens_per_block * g.blocks_per_chunk
         chain: list[StoredRecord] = []
         h: Any = hash_to_int(key_hash(key))
@@ -274,6 +394,10 @@ class DaemonEvents:
     def _engine_batch(self, idx: int, batch: EventBatch) -> None:
         if self.hub is not None:
             self.hub.publish(batch)
+        for view in self.views:  # the engine's own GPU blocks, credited to its rank
+            if view.spec.engine == idx:
+                view.pub.publish(EventBatch(ts=batch.ts, events=batch.events,
+                                            data_parallel_rank=view.spec.rank))
 
     def _snapshot(self) -> list[StoredRecord]:
         gpu = self.engines.records() if self.engines is not None else []
@@ -293,7 +417,7 @@ class DaemonEvents:
                       ) -> BlockStored | None:
         g = ns.geometry
         group = key_group(key)
-        spec = g.groups[group]
+        spec = g.groups[g.group_pos(key)]
         if item is None or item.token_ids is None:
             return None  # counted by the caller if the engines cannot complete it either
         if item.tail:
@@ -302,6 +426,14 @@ class DaemonEvents:
         else:
             hashes = [key_hash(key)]
             block_size = spec.tokens_per_block * g.blocks_per_chunk
+            per_block = spec.tokens_per_block // g.tokens_per_hash
+            fine = item.block_hashes or []
+            if (self.profile.engine_blocks and g.blocks_per_chunk > 1
+                    and len(fine) == per_block * g.blocks_per_chunk and fine[-1] == hashes[0]):
+                # One hash per engine block (a block's hash is its last fine hash), so a
+                # router registered at the engine's block size accepts the chunk.
+                hashes = list(fine[per_block - 1::per_block])
+                block_size = spec.tokens_per_block
         if not hashes or len(item.token_ids) != block_size * len(hashes):
             self.incomplete.labels("bad_length").inc()
             return None
@@ -326,12 +458,16 @@ class DaemonEvents:
             return
         hashes = listed or [self._hash(key_hash(key))]
         self._emit(BlockRemoved(block_hashes=hashes, medium="CPU", group_idx=key_group(key),
-                                locality="LOCAL"))
+                                locality="LOCAL"), ns)
 
     def cleared(self) -> None:
-        # Not sent to the hub: there a clear would also wipe the engines' GPU blocks.
+        # Not sent to the hub, nor to a view that merges an engine's stream: there a clear
+        # would also wipe the engines' GPU blocks.
         if self.kv is not None:
             self.kv.publish(AllBlocksCleared())
+        for view in self.views:
+            if view.spec.engine is None:
+                view.pub.publish(AllBlocksCleared())
 
     def was_evicted(self, key: bytes) -> bool:
         return key in self._evicted
@@ -378,13 +514,13 @@ class DaemonEvents:
             outcome=outcome,  # type: ignore[arg-type]
             miss_reason=a.miss_reason if outcome != "hit" else None,
             latency_us=None if seconds is None else int(seconds * 1e6),
-            group_outcomes=self._group_outcomes(len(ns.geometry.groups), a)))
+            group_outcomes=self._group_outcomes(ns.geometry, a)))
 
     @staticmethod
-    def _group_outcomes(groups: int, a: p.LookupAnswer) -> list[str]:
-        out = ["miss"] * groups
-        for key in a.hit_keys:
-            out[key_group(key)] = "hit"
-        for key in a.pending_keys:
-            out[key_group(key)] = "pending"
+    def _group_outcomes(geometry: Any, a: p.LookupAnswer) -> list[str]:
+        out = ["miss"] * len(geometry.groups)
+        for keys, outcome in ((a.hit_keys, "hit"), (a.pending_keys, "pending")):
+            for key in keys:
+                with contextlib.suppress(ValueError):  # a group id this engine lacks
+                    out[geometry.group_pos(key)] = outcome
         return out

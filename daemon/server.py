@@ -27,7 +27,7 @@ from kvoffload.daemon.errors import RequestError
 from kvoffload.daemon.http import HttpServer
 from kvoffload.daemon.index import BlockIndex
 from kvoffload.daemon.journal import Journal, recover_state
-from kvoffload.daemon.kv_events import DaemonEvents
+from kvoffload.daemon.kv_events import DaemonEvents, event_options
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.notify import Notifier
 from kvoffload.daemon.pool import Pool
@@ -90,7 +90,10 @@ class Server:
                                        engine_events=config.engine_events,
                                        engine_max_tokens=config.engine_events_max_tokens,
                                        hub=config.hub, hub_replay=config.hub_replay,
-                                       hub_buffer_batches=config.hub_buffer_batches)
+                                       hub_buffer_batches=config.hub_buffer_batches,
+                                       **event_options(config))
+        except ValueError as exc:  # a profile, topic or engine view that cannot work
+            raise StartupError(str(exc)) from None
         except zmq.ZMQError as exc:
             given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in event_eps.items() if v)
             raise StartupError(f"cannot bind the event endpoints ({given}): {exc}; choose "
@@ -286,7 +289,10 @@ class Server:
                                   if self.events.lookups else None),
                 "hub": self.events.hub.bound_endpoint if self.events.hub else None,
                 "hub_replay": (self.events.hub.bound_replay_endpoint
-                               if self.events.hub else None)}))
+                               if self.events.hub else None),
+                "engine_views": [{"rank": v.spec.rank, "events": v.pub.bound_endpoint,
+                                  "replay": v.pub.bound_replay_endpoint}
+                                 for v in self.events.views]}))
         tmp.replace(self.ready_file)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:

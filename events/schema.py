@@ -38,6 +38,7 @@ __all__ = [
     "decode_batch",
     "decode_lookup_batch",
     "encode_batch",
+    "encode_batch_positional",
     "encode_lookup_batch",
     "hash_to_int",
     "to_json_dict",
@@ -121,9 +122,13 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-# Pre-June-2026 (before vLLM PR #42892) events were positional arrays, tag first. Decode-only
-# twins; trailing fields get defaults because older engines sent shorter arrays.
-class _LegacyBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+# Pre-June-2026 (before vLLM PR #42892) events were positional arrays, tag first. Twins for
+# decoding (trailing fields get defaults because older engines sent shorter arrays) and for
+# the llm-d profile's encoding: llm-d-kv-cache (v0.8.1) still reads events by position and
+# fails a whole batch whose events are maps. (msgspec writes every field of an array_like
+# struct, trailing defaults included; position readers ignore the tail.)
+class _LegacyBlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
+                         tag="BlockStored"):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
@@ -141,7 +146,8 @@ class _LegacyBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     lookahead_token_ids: list[list[int]] | None = None
 
 
-class _LegacyBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+class _LegacyBlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
+                          tag="BlockRemoved"):
     block_hashes: list[BlockHash]
     medium: str | None = None
     group_idx: int | None = None
@@ -149,7 +155,8 @@ class _LegacyBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
     ownership: str | None = None
 
 
-class _LegacyAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+class _LegacyAllBlocksCleared(msgspec.Struct, array_like=True, gc=False,
+                              tag="AllBlocksCleared"):
     pass
 
 
@@ -159,6 +166,15 @@ _LEGACY_TO_CANONICAL: Final[dict[type, type]] = {
     _LegacyBlockRemoved: BlockRemoved,
     _LegacyAllBlocksCleared: AllBlocksCleared,
 }
+
+
+_CANONICAL_TO_LEGACY: Final[dict[type, type]] = {v: k for k, v in _LEGACY_TO_CANONICAL.items()}
+
+
+class _PositionalBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[_LegacyEvent]
+    data_parallel_rank: int | None = None
 
 
 class _LooseBatch(msgspec.Struct, array_like=True):
@@ -175,6 +191,19 @@ _loose_decoder: Final = msgspec.msgpack.Decoder(_LooseBatch)
 def encode_batch(batch: EventBatch) -> bytes:
     """msgpack bytes of `batch`, identical to what vLLM 0.33's structs produce."""
     return _encoder.encode(batch)
+
+
+def encode_batch_positional(batch: EventBatch) -> bytes:
+    """The batch with every event as a positional array `[type, field...]` (pre-#42892).
+
+    Field positions are vLLM's declaration order (BlockStored: 1 block_hashes ... 6 medium ...
+    9 group_idx, 10 kv_cache_spec_kind, 11 kv_cache_spec_sliding_window, 12 locality,
+    13 ownership), so a reader that indexes positions and ignores the rest (llm-d) decodes it.
+    """
+    events = [_CANONICAL_TO_LEGACY[type(ev)](*(getattr(ev, f) for f in ev.__struct_fields__))
+              for ev in batch.events]
+    return _encoder.encode(_PositionalBatch(ts=batch.ts, events=events,
+                                            data_parallel_rank=batch.data_parallel_rank))
 
 
 def _from_legacy(raw: list[Any]) -> KVEvent:

@@ -22,7 +22,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="token budget of the engines' GPU-block index (8388608)")
     s.add_argument("--hub", help="PUB endpoint of the node event hub (engines' + daemon's events)")
     s.add_argument("--hub-replay", help="ROUTER endpoint of the hub: replay and snapshots")
-    s.add_argument("--hub-buffer-batches", type=int, help="hub replay buffer in batches (10000)")
+    s.add_argument("--hub-buffer-batches", type=int,
+                   help="extra cap on the hub replay buffer in batches (0: none)")
+    s.add_argument("--events-profile", choices=["full", "dynamo", "llm-d"],
+                   help="what the router-facing streams carry (docs/routers.md; full)")
+    s.add_argument("--events-tails", action=argparse.BooleanOptionalAction, default=None,
+                   help="partial tails on the stream (default: the profile's)")
+    s.add_argument("--events-ownership", help="ownership value on stored/removed events")
+    s.add_argument("--events-topic", help="topic template, {node} and {model} filled in")
+    s.add_argument("--events-node", help="{node} of the topic (default: host name)")
+    s.add_argument("--events-model", help="{model} of the topic: the served model name")
+    s.add_argument("--events-batch-events", type=int,
+                   help="most events per batch; events of one loop turn share a batch (256)")
+    s.add_argument("--events-buffer-events", type=int, help="replay buffer in events (131072)")
+    s.add_argument("--events-buffer-bytes", help="replay buffer in payload bytes (256MiB)")
+    s.add_argument("--engine-view", dest="engine_views", action="append",
+                   help="per-engine stream rank=R,events=EP[,replay=EP][,engine=I] (repeatable)")
     s.add_argument("--event-hashes", choices=["int", "bytes"],
                    help="block hashes in events as integers (vLLM's default) or raw bytes")
     s.add_argument("--http", help="HOST:PORT for /healthz /readyz /metrics (127.0.0.1:9400)")
@@ -75,7 +90,9 @@ def _serve(args: argparse.Namespace) -> int:
             "event_hashes", "http",
             "pool_path", "pool_bytes", "slot_bytes", "state_dir", "state_dir_errors", "policy", "lease_ms",
             "log_format", "log_level", "engine_events_max_tokens", "hub", "hub_replay",
-            "hub_buffer_batches", "disk_dir", "disk_bytes", "disk_read_bytes_per_s", "mooncake_master",
+            "hub_buffer_batches", "events_profile", "events_tails", "events_ownership",
+            "events_topic", "events_node", "events_model", "events_batch_events",
+            "events_buffer_events", "events_buffer_bytes", "engine_views", "disk_dir", "disk_bytes", "disk_read_bytes_per_s", "mooncake_master",
             "mooncake_metadata", "mooncake_local_hostname", "mooncake_protocol",
             "mooncake_device", "mooncake_segment_bytes", "mooncake_buffer_bytes",
             "mooncake_put"]
