@@ -28,6 +28,14 @@ from kvoffload.daemon.http import HttpServer
 from kvoffload.daemon.index import BlockIndex
 from kvoffload.daemon.journal import Journal, recover_state
 from kvoffload.daemon.kv_events import DaemonEvents, event_options
+from kvoffload.daemon.loop_health import (
+    TURN_FRAMES,
+    TURN_SECONDS,
+    LoopLagMonitor,
+    ParkedLookups,
+    drain_backlog,
+    has_unread,
+)
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.notify import Notifier
 from kvoffload.daemon.pool import Pool
@@ -50,6 +58,8 @@ from prometheus_client import Gauge
 
 log = logging.getLogger("kvoffload.daemon")
 
+# Frames queued per client before libzmq stops reading from it (see _bind).
+RCVHWM_FRAMES = 8
 
 
 class StartupError(StartFault):
@@ -67,7 +77,7 @@ def _salvage_rid(payload: bytes) -> int:
     """The rid of an otherwise invalid request, so the client can match the error to it."""
     try:
         return _rid_decoder.decode(payload).rid
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return 0
 
 
@@ -118,7 +128,7 @@ class Server:
         if self.tiers is not None:
             self.service.lookups.tiers = self.tiers
         self.http = HttpServer(*config.http_host_port, self.metrics.registry, self.readiness,
-                               details=self.bound_endpoints)
+                               details=self.bound_endpoints, metrics=self.metrics)
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._lock_fd: int | None = None
@@ -135,6 +145,10 @@ class Server:
         self.state_dir_faulty = Gauge("kvoffload_state_dir_faulty", "1 when the state dir "
                                       "was unusable at start and the daemon started cold.",
                                       registry=self.metrics.registry)
+        self.loop_lag = LoopLagMonitor(self.metrics)
+        self.parked = ParkedLookups()  # lookups waiting on pending keys, per client
+        # A lookup parked for a client that has gone must not pin anything when it resolves.
+        self.service.lookups.client_alive = self._client_alive
 
     # -- start ------------------------------------------------------------------------
 
@@ -178,8 +192,12 @@ class Server:
     def _bind(self) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        # Hard cap well above the typed-error limit: a peer sending more is disconnected.
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_message_bytes)
+        # Hard cap above the typed-error limit (frames between the two get ``too_large``): a
+        # peer sending more is disconnected by libzmq before the frame is buffered whole.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
+        # Unread frames per client: RCVHWM x MAXMSGSIZE bounds the bytes one client can make
+        # the daemon hold; beyond it libzmq stops reading that peer (back-pressure).
+        sock.setsockopt(zmq.RCVHWM, RCVHWM_FRAMES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if self.curve is not None:
             self.curve.configure(sock)  # before bind: CURVE server + ZAP allow-list
@@ -236,6 +254,7 @@ class Server:
         loop = asyncio.get_running_loop()
         self._loops = [loop.create_task(self._serve_control()),
                        loop.create_task(self._sweep_leases())]
+        self.loop_lag.start()
         self.accepting = True
         self.started = True
         self.metrics.pool_bytes.labels("total").set(self.pool.pool_bytes)
@@ -322,49 +341,98 @@ class Server:
             reply = p.Error(rid=rid, code=p.ErrorCode.INTERNAL, message="internal error")
         await self._reply(identity, reply)
 
+    def _client_alive(self, client: Any) -> bool:
+        return self.service.leases.clients.get(client.identity) is client
+
+    def _refuse(self, reason: str, rid: int, code: p.ErrorCode, message: str) -> p.Error:
+        self.metrics.refused.labels(reason).inc()
+        return p.Error(rid=rid, code=code, message=message)
+
     def answer(self, identity: bytes, payload: bytes) -> p._Msg | Any:
         """Decode and handle one frame; never raises for anything a client can send."""
-        if len(payload) > self.config.max_message_bytes:
-            return p.Error(rid=_salvage_rid(payload), code=p.ErrorCode.TOO_LARGE,
-                           message=f"message of {len(payload)} bytes; the limit is "
-                                   f"{self.config.max_message_bytes}")
+        if len(payload) > self.config.max_message_bytes:  # checked before any decoding
+            return self._refuse("frame_too_large", _salvage_rid(payload), p.ErrorCode.TOO_LARGE,
+                                f"message of {len(payload)} bytes; the limit is "
+                                f"{self.config.max_message_bytes}")
         try:
             msg = p.request_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return p.Error(rid=_salvage_rid(payload), code=p.ErrorCode.MALFORMED, message=str(exc))
+        except RecursionError:  # msgspec bounds nesting by the interpreter's recursion limit
+            return self._refuse("nesting", _salvage_rid(payload), p.ErrorCode.MALFORMED,
+                                "msgpack nested too deeply")
+        if isinstance(msg, p.Lookup) and msg.wait_ms > 0 and self.parked.full(identity):
+            return self._refuse("parked_lookups", msg.rid, p.ErrorCode.TOO_LARGE,
+                                f"{self.parked.limit} lookups of this client are parked "
+                                "already")
         try:
-            return self.service.handle(identity, msg)
+            out = self.service.handle(identity, msg)
+            if isinstance(msg, p.Bye):  # gone now: its parked lookups answer nobody
+                self.parked.cancel_departed(self.service.leases.clients)
+            return out
         except RequestError as exc:
             return p.Error(rid=msg.rid, code=exc.code, message=exc.message)
         except Exception:
             log.exception("internal error while handling %s", type(msg).__name__)
             return p.Error(rid=msg.rid, code=p.ErrorCode.INTERNAL, message="internal error")
 
+    async def _serve_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            if len(frames) > 2:  # _reply counts the error
+                await self._reply(frames[0], p.Error(
+                    rid=0, code=p.ErrorCode.MALFORMED,
+                    message="a request is exactly one msgpack frame"))
+            return
+        identity, payload = frames
+        try:
+            out = self.answer(identity, payload)
+            if isinstance(out, p._Msg):
+                await self._reply(identity, out)
+            else:
+                self.parked.add(identity, self._spawn(
+                    self._finish(identity, _salvage_rid(payload), out)))
+        except Exception:  # whatever one frame does, the receive loop must go on
+            log.exception("unexpected error while serving one frame; continuing")
+
     async def _serve_control(self) -> None:
-        assert self._sock is not None
+        """Bounded turns: at most TURN_FRAMES frames or TURN_SECONDS, then yield.
+
+        Awaiting a ready zmq future does not yield to the loop, so without the turn a flood
+        would starve timers, /healthz and parked lookups. ROUTER fair-queues its peers, so
+        within a turn every client with frames waiting gets its share."""
+        sock = self._sock
+        assert sock is not None
+        clock = asyncio.get_running_loop().time
         while True:
-            frames = await self._sock.recv_multipart()
-            if len(frames) != 2:
-                if len(frames) > 2:  # _reply counts the error
-                    await self._reply(frames[0], p.Error(
-                        rid=0, code=p.ErrorCode.MALFORMED,
-                        message="a request is exactly one msgpack frame"))
-                continue
-            identity, payload = frames
-            try:
-                out = self.answer(identity, payload)
-                if isinstance(out, p._Msg):
-                    await self._reply(identity, out)
-                else:
-                    self._spawn(self._finish(identity, _salvage_rid(payload), out))
-            except Exception:  # whatever one frame does, the receive loop must go on
-                log.exception("unexpected error while serving one frame; continuing")
+            await self._serve_frames(await sock.recv_multipart())
+            end = clock() + TURN_SECONDS
+            for _ in range(TURN_FRAMES - 1):
+                if clock() >= end:
+                    break
+                try:
+                    frames = await sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                await self._serve_frames(frames)
+            await asyncio.sleep(0)
 
     async def _sweep_leases(self) -> None:
+        """Expire leases, but only after reading what clients sent: a sweep that wakes late
+        (the daemon was frozen or starved) first lets the receive loop drain the backlog."""
         period = max(0.05, self.config.lease_ms / 4000)
+        loop = asyncio.get_running_loop()
+        due = loop.time() + period
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            late = loop.time() - due
+            if late > period:  # a stall: heartbeats of the stalled time are still unread
+                await drain_backlog(self._sock, settle=min(0.2, period), limit=4 * period)
+            elif has_unread(self._sock):
+                await drain_backlog(self._sock, settle=0.0, limit=period)
+            # Parked lookups of expired clients stay: they answer a miss without pins when
+            # their keys resolve (lookups.py), so a client that only waited too long learns.
             self.service.expire_leases()
+            due = loop.time() + period
 
     # -- stop -------------------------------------------------------------------------
 
@@ -380,7 +448,9 @@ class Server:
         self.notifier.stopping()
         self.notifier.stop_watchdog()
         self.service.draining = True
+        self.service.lookups.stop_waiting()  # parked lookups answer now, even on pending keys
         self.index.cancel_waiters()  # parked lookups re-run and answer now
+        self.loop_lag.stop()
         await asyncio.sleep(0)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
