@@ -59,4 +59,6 @@ if [ "${KVOFFLOAD_SKIP_VLLM:-0}" != 1 ]; then
   .venv/bin/python -c 'import vllm, sys; sys.exit(vllm.__version__ != "0.33.0")' 2>/dev/null \
     || { pip install --no-deps "vllm==0.33.0"; pip install --no-deps -r requirements/vllm-cpu.txt; }
 fi
+# Dynamo's KV indexer for the router tests, in its own venv (its pydantic pin clashes with vLLM).
+bash scripts/setup_dynamo.sh
 .venv/bin/python -c 'import kvoffload, torch, zmq, msgspec; print("kvoffload", kvoffload.__version__, "torch", torch.__version__)'
