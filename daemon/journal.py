@@ -33,6 +33,7 @@ from typing import Any
 from kvoffload.daemon.index import BlockIndex, Namespace
 from kvoffload.daemon.journal_state import (
     JOURNAL,
+    MAX_RECOVERED_SLOTS,
     SNAPSHOT,
     VERSION,
     Entry,
@@ -240,14 +241,25 @@ def recover_state(state_dir: str | Path, index: BlockIndex, registry: CollectorR
     pool = index.pool
     state_path = Path(state_dir)
     state_path.mkdir(parents=True, exist_ok=True)
-    state = load_state(state_path)
+    try:
+        state = load_state(state_path)
+    except (OSError, MemoryError, RecursionError, ValueError) as exc:
+        # Unreadable or absurd state is no reason not to serve: start cold, say so loudly.
+        log.error("state dir %s cannot be read (%s): starting cold, nothing recovered",
+                  state_path, exc)
+        state = State()
     if state.skipped:
-        log.warning("state dir %s: %d corrupt or truncated journal records ignored",
+        log.warning("state dir %s: %d corrupt, truncated or invalid journal records ignored",
                     state_path, state.skipped)
     if state.live and not pool.configured:
         size = slot_bytes or state.slot_bytes
-        if 0 < size <= pool.pool_bytes:
+        if slot_bytes or (0 < size <= pool.pool_bytes and
+                          pool.pool_bytes // size <= MAX_RECOVERED_SLOTS):
             index.configure(size)
+        else:
+            log.error("state dir %s records slot size %d, impossible for a pool of %d bytes "
+                      "(at most %d slots): starting cold, nothing recovered", state_path, size,
+                      pool.pool_bytes, MAX_RECOVERED_SLOTS)
     if state.live and not pool.configured:
         rec = Recovery([], collections.Counter(slot_size_invalid=len(state.live)))
     elif state.live:

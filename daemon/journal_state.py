@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from kvoffload.daemon import lookup as lk
 from kvoffload.daemon.index import BlockIndex, Namespace
 from kvoffload.daemon.pool import Pool
 from kvoffload.daemon.types import Geometry
@@ -28,7 +29,14 @@ VERSION = 1
 SNAPSHOT = "index.snapshot"
 JOURNAL = "index.journal"
 _FRAME = struct.Struct("<II")  # payload length, crc32 of the payload
-_MAX_RECORD = 1 << 20  # a longer length field is garbage: stop reading there
+_MAX_RECORD = 1 << 20  # a longer length field is garbage: resynchronise after it
+_TAGS = frozenset("HNCD")
+_U32 = 1 << 32
+_MAX_KEY = 128  # daemon/errors.py MAX_KEY_BYTES: no stored key is longer
+# A state dir is untrusted input: its slot size may not make the pool hold more slots than a
+# client could make it (service.py bounds a first engine's block the same way), else one
+# crafted header would make every start allocate bookkeeping for billions of slots.
+MAX_RECOVERED_SLOTS = 1 << 21
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
 _geom_dec = msgspec.msgpack.Decoder(Geometry)
@@ -49,39 +57,59 @@ def frame(record: list[Any]) -> bytes:
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def read_records(path: Path) -> tuple[list[list[Any]], int]:
-    """All intact records of a file and how many were skipped as corrupt.
+def _record_at(data: memoryview, off: int) -> tuple[list[Any], int] | None:
+    """The record framed at ``off`` and the offset after it, or None if none is there."""
+    if off + _FRAME.size > len(data):
+        return None
+    n, crc = _FRAME.unpack_from(data, off)
+    start = off + _FRAME.size
+    if n > _MAX_RECORD or start + n > len(data):
+        return None
+    payload = data[start:start + n]
+    if zlib.crc32(payload) != crc:
+        return None
+    try:
+        rec = _dec.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if not isinstance(rec, list) or not rec or rec[0] not in _TAGS:
+        return None
+    return rec, start + n
 
-    A record whose checksum fails is skipped; a truncated tail (a crash mid-write) or a length
-    beyond ``_MAX_RECORD`` ends the file: nothing after it can be framed reliably.
+
+def read_records(path: Path) -> tuple[list[list[Any]], int]:
+    """All intact records of a file and how many damaged stretches were skipped.
+
+    A frame that fails (checksum, impossible length, not a record) is skipped by scanning
+    forward, byte by byte, to the next offset where a whole valid frame starts: one flipped
+    length byte costs one record, not the rest of the file. A torn tail (a crash mid-write)
+    has no valid frame after it and ends the file. A valid frame found by the scan is as
+    trustworthy as any other (its own crc32 holds), and replay validates every block against
+    the pool's bytes anyway.
     """
     try:
-        data = path.read_bytes()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return [], 0
+    data = memoryview(raw)
     out: list[list[Any]] = []
     bad = off = 0
-    while off + _FRAME.size <= len(data):
-        n, crc = _FRAME.unpack_from(data, off)
-        start = off + _FRAME.size
-        if n > _MAX_RECORD or start + n > len(data):
-            bad += 1
-            break
-        payload = data[start:start + n]
-        off = start + n
-        try:
-            if zlib.crc32(payload) != crc:
-                raise ValueError("record checksum mismatch")
-            rec = _dec.decode(payload)
-            if not isinstance(rec, list) or not rec or not isinstance(rec[0], str):
-                raise ValueError("not a record")
-        except (ValueError, msgspec.DecodeError):
-            bad += 1
+    while off < len(data):
+        got = _record_at(data, off)
+        if got is not None:
+            out.append(got[0])
+            off = got[1]
             continue
-        out.append(rec)
-    if 0 < len(data) - off < _FRAME.size:
-        bad += 1  # a torn frame header
+        bad += 1  # a damaged stretch: find where the next record starts
+        off += 1
+        while off < len(data) and (got := _record_at(data, off)) is None:
+            off += 1
     return out, bad
+
+
+def _u(v: Any, bound: int = _U32) -> bool:
+    """A non-negative int below ``bound`` (bool is an int to Python; not here)."""
+    return type(v) is int and 0 <= v < bound
 
 
 @dataclass(slots=True)
@@ -107,26 +135,42 @@ class State:
     skipped: int = 0  # corrupt or unusable records
 
     def apply(self, rec: list[Any]) -> None:
-        try:
-            tag = rec[0]
-            if tag == "H":
-                _, _version, self.epoch, self.slot_bytes, self.pool_bytes = rec
-            elif tag == "N":
-                self.geometries[int(rec[1])] = bytes(rec[2])
-            elif tag == "C":
-                _, ns, key, slot, end, tail, crc = rec
-                self.commit(Entry(int(ns), bytes(key), int(slot), int(end), bool(tail),
-                                  int(crc)))
-            elif tag == "D":
-                _, ns, key, slot = rec
-                e = self.live.get((ns, key))
-                if e is not None and e.slot == slot:
-                    del self.live[(ns, key)]
-                    self.by_slot.pop(slot, None)
-            else:
-                self.skipped += 1
-        except (ValueError, TypeError):
+        """Apply one record; one of the wrong shape or types is skipped and counted.
+
+        Every field is type-checked, never coerced: the files are input like any other
+        (``bytes(10**12)`` of a crafted key would allocate a terabyte)."""
+        if not self._valid(rec):
             self.skipped += 1
+            return
+        tag = rec[0]
+        if tag == "H":
+            _, _version, self.epoch, self.slot_bytes, self.pool_bytes = rec
+        elif tag == "N":
+            self.geometries[rec[1]] = rec[2]
+        elif tag == "C":
+            _, ns, key, slot, end, tail, crc = rec
+            self.commit(Entry(ns, key, slot, end, tail, crc))
+        else:
+            _, ns, key, slot = rec
+            e = self.live.get((ns, key))
+            if e is not None and e.slot == slot:
+                del self.live[(ns, key)]
+                self.by_slot.pop(slot, None)
+
+    @staticmethod
+    def _valid(rec: list[Any]) -> bool:
+        tag = rec[0] if rec else None
+        if tag == "H":
+            return len(rec) == 5 and rec[1] == VERSION and all(_u(v, 1 << 63) for v in rec[2:])
+        if tag == "N":
+            return len(rec) == 3 and _u(rec[1], 1 << 16) and isinstance(rec[2], bytes)
+        if tag in ("C", "D"):
+            if len(rec) != (7 if tag == "C" else 4) or not _u(rec[1], 1 << 16) or \
+                    not isinstance(rec[2], bytes) or not 4 < len(rec[2]) <= _MAX_KEY or \
+                    not _u(rec[3]):
+                return False
+            return tag == "D" or (_u(rec[4]) and type(rec[5]) is bool and _u(rec[6]))
+        return False
 
     def commit(self, e: Entry) -> None:
         # A slot holds one block: a later commit to it supersedes whatever it held before.
@@ -157,7 +201,7 @@ def load_state(state_dir: Path) -> State:
     for rec in snap:
         state.apply(rec)
     journal, bad = read_records(state_dir / JOURNAL)
-    if journal and journal[0][0] == "H" and len(journal[0]) == 5:
+    if journal and journal[0][0] == "H" and State._valid(journal[0]):
         # A fresh daemon's first snapshot has no slot size yet (no engine had registered).
         if journal[0][2] == state.epoch and state.slot_bytes in (0, journal[0][3]):
             state.skipped += bad
@@ -227,7 +271,7 @@ def validate(state: State, pool: Pool, workers: int = 4) -> Recovery:
                 g: Geometry | None = _geom_dec.decode(state.geometries[e.ns])
             except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
                 g = None
-            geoms[e.ns] = g if g is not None and g.slot_bytes() <= pool.slot_bytes else None
+            geoms[e.ns] = g if g is not None and _usable(g, pool) else None
         geom = geoms[e.ns]
         if geom is None:
             discarded["geometry"] += 1
@@ -245,6 +289,15 @@ def validate(state: State, pool: Pool, workers: int = 4) -> Recovery:
         else:
             discarded["checksum"] += 1
     return Recovery(good, discarded)
+
+
+def _usable(g: Geometry, pool: Pool) -> bool:
+    """A recorded geometry fits a slot and passes the lookup's own rules (as Register does)."""
+    try:
+        lk.plan_for(g)
+        return 0 < g.slot_bytes() <= pool.slot_bytes and g.tokens_per_hash > 0
+    except (ValueError, ZeroDivisionError, TypeError):
+        return False
 
 
 def slot_checksum(pool: Pool, slot: int) -> int:

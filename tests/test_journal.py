@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from kvoffload.daemon import journal as jn
 from kvoffload.daemon import journal_state as js
@@ -117,6 +118,10 @@ def test_compaction_and_epochs(tmp_path: Path, pool_path: str) -> None:
     assert {k for _, k in js.load_state(tmp_path).live} == set(keys[25:])
 
 
+def _key(i: int) -> bytes:
+    return make_key(i.to_bytes(8, "big"), 0)
+
+
 def _journal_file(tmp_path: Path, records: list[list[object]]) -> bytes:
     data = js.frame(["H", js.VERSION, 0, SLOT, 64 * SLOT])
     data += b"".join(js.frame(r) for r in records)
@@ -125,7 +130,7 @@ def _journal_file(tmp_path: Path, records: list[list[object]]) -> bytes:
 
 
 def test_truncated_tail_record_ignored(tmp_path: Path) -> None:
-    recs: list[list[object]] = [["C", 0, b"k%d" % i, i, 16, False, 0] for i in range(5)]
+    recs: list[list[object]] = [["C", 0, _key(i), i, 16, False, 0] for i in range(5)]
     data = _journal_file(tmp_path, recs)
     (tmp_path / js.JOURNAL).write_bytes(data[:-3])  # crash in the middle of the last write
     state = js.load_state(tmp_path)
@@ -134,7 +139,7 @@ def test_truncated_tail_record_ignored(tmp_path: Path) -> None:
 
 
 def test_corrupt_record_ignored(tmp_path: Path) -> None:
-    recs: list[list[object]] = [["C", 0, b"k%d" % i, i, 16, False, 0] for i in range(5)]
+    recs: list[list[object]] = [["C", 0, _key(i), i, 16, False, 0] for i in range(5)]
     data = bytearray(_journal_file(tmp_path, recs))
     second = len(js.frame(["H", js.VERSION, 0, SLOT, 64 * SLOT])) + len(js.frame(recs[0]))
     data[second + 12] ^= 0xFF  # a flipped bit inside record 1's payload
@@ -180,3 +185,59 @@ def test_checksum_voided_when_slot_dropped_meanwhile(tmp_path: Path, pool_path: 
     assert {k for _, k in js.load_state(tmp_path).live} == {keys[1]}
     assert journal.written == 1
     index.pool.close(remove=True)
+
+
+@pytest.mark.parametrize("new_length", [0x7FFF, 0x0102, 3, 0])
+def test_a_flipped_length_costs_one_record_not_the_rest(tmp_path: Path, new_length: int) -> None:
+    """A damaged length (far too long, a bit too long, too short) is skipped by finding the
+    next valid frame; the records after it survive (before: all of them were dropped)."""
+    recs: list[list[object]] = [["C", 0, _key(i), i, 16, False, 0] for i in range(6)]
+    data = bytearray(_journal_file(tmp_path, recs))
+    second = len(js.frame(["H", js.VERSION, 0, SLOT, 64 * SLOT])) + len(js.frame(recs[0]))
+    data[second:second + 4] = new_length.to_bytes(4, "little")
+    (tmp_path / js.JOURNAL).write_bytes(bytes(data))
+    state = js.load_state(tmp_path)
+    assert sorted(e.slot for e in state.live.values()) == [0, 2, 3, 4, 5]
+    assert state.skipped == 1
+
+
+def _state_file(tmp_path: Path, name: str, records: list[list[object]]) -> None:
+    (tmp_path / name).write_bytes(b"".join(js.frame(r) for r in records))
+
+
+def test_crafted_records_with_valid_checksums_never_block_a_start(
+        tmp_path: Path, pool_path: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Records whose crc32 holds but whose content is absurd: skipped or refused with a loud
+    line, and the daemon starts cold instead of failing (or allocating) at every start."""
+    big = (1 << 30) // SLOT  # a sparse 1 GiB pool: a 64-byte slot would make 16M slots
+    index = make_index(pool_path, slots=big)
+    geom = js._enc.encode(GEOM)
+    _state_file(tmp_path, js.SNAPSHOT, [
+        ["H", js.VERSION, 0, 64, big * SLOT],  # slot size from the file: 16M slots
+        ["N", 0, geom],
+        ["C", 0, _key(1), 1, 16, False, 0]])
+    caplog.set_level("WARNING", logger="kvoffload.daemon")
+    reg = CollectorRegistry()
+    jn.recover_state(tmp_path, index, reg).close()
+    assert not index.pool.configured  # the first engine will size it, as on a cold start
+    assert recovered(reg, "recovered") == 0
+    assert "starting cold" in caplog.text
+    index.pool.close(remove=False)
+    # Wrong types in every field a crafted record can hold: each one skipped and counted.
+    index = make_index(pool_path)
+    index.configure(SLOT)
+    bad_geom = js._enc.encode(msgspec.structs.replace(GEOM, tokens_per_hash=0))
+    _state_file(tmp_path, js.SNAPSHOT, [
+        ["H", js.VERSION, 0, SLOT, 64 * SLOT],
+        ["N", 0, geom], ["N", 1, bad_geom], ["N", "x", geom],
+        ["C", 0, 10**12, 2, 16, False, 0],  # bytes(10**12) would allocate a terabyte
+        ["C", 0, _key(3), "3", 16, False, 0], ["C", 0, _key(4), 4, -1, False, 0],
+        ["C", 0, b"\x00" * 4096, 5, 16, False, 0], ["H", js.VERSION, "e", SLOT, 1],
+        ["C", 1, _key(6), 6, 16, False, 0]])
+    (tmp_path / js.JOURNAL).unlink(missing_ok=True)
+    state = js.load_state(tmp_path)
+    assert state.skipped == 6 and list(state.live) == [(1, _key(6))]
+    reg = CollectorRegistry()
+    jn.recover_state(tmp_path, index, reg).close()
+    assert recovered(reg, "recovered") == 0 and recovered(reg, "discarded") == 1  # geometry
+    index.pool.close(remove=False)
