@@ -25,7 +25,6 @@ Key files (see docs/security.md):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import stat
@@ -148,28 +147,53 @@ def load_allow_list(path: str | os.PathLike[str]) -> set[bytes]:
 
 
 class AllowList:
-    """The allowed keys, re-read when the file or directory changes (revocation, additions)."""
+    """The allowed keys, re-read when the file or directory changes (revocation, additions).
+
+    Fails closed: when the list cannot be read whole (deleted, unreadable, one bad file), no
+    key is admitted until it can, and the log says so once per change. Keeping the last good
+    list would keep a revoked key admitted by deleting or breaking the list."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._stamp = self._mtime()
         self.keys = load_allow_list(self.path)
+        self.failed: str | None = None  # why the list is denying everyone, if it is
 
-    def _mtime(self) -> tuple[float, ...]:
+    def _mtime(self) -> tuple[tuple[str, int, int], ...] | None:
+        """Name, mtime and size of the list and every file in it; None if unreadable."""
         p = self.path
-        files = [p] + (sorted(p.iterdir()) if p.is_dir() else [])
-        return tuple(f.stat().st_mtime for f in files if f.exists())
+        try:
+            files = [p] + (sorted(p.iterdir()) if p.is_dir() else [])
+            stamps = []
+            for f in files:
+                st = f.stat()
+                stamps.append((f.name, st.st_mtime_ns, st.st_size))
+            return tuple(stamps)
+        except OSError:
+            return None
+
+    def _reload(self) -> None:
+        try:
+            keys = load_allow_list(self.path)
+        except (SecurityConfigError, OSError) as exc:
+            self.keys, self.failed = set(), str(exc)
+            log.error("client allow-list %s cannot be read (%s): refusing every client until "
+                      "it can", self.path, exc)
+            return
+        self.keys, self.failed = keys, None
+        log.info("client allow-list %s reloaded: %d keys", self.path, len(keys))
 
     def allowed(self, key: bytes) -> bool:
-        with contextlib.suppress(OSError):
-            stamp = self._mtime()
-            if stamp != self._stamp:
-                try:
-                    self.keys = load_allow_list(self.path)
-                    log.info("client allow-list %s reloaded: %d keys", self.path, len(self.keys))
-                except SecurityConfigError as exc:  # keep the last good list, say why
-                    log.error("client allow-list not reloaded: %s", exc)
-                self._stamp = stamp
+        stamp = self._mtime()
+        if stamp is None:
+            if self.failed is None or self._stamp is not None:
+                self.keys, self.failed = set(), f"{self.path} is missing or unreadable"
+                log.error("client allow-list %s is missing or unreadable: refusing every "
+                          "client until it is back", self.path)
+            self._stamp = None
+        elif stamp != self._stamp:
+            self._stamp = stamp
+            self._reload()
         return key in self.keys
 
 

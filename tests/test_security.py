@@ -200,3 +200,37 @@ def test_ipc_refuses_a_control_dir_open_to_others(tmp_path: Path) -> None:
         assert refused or fixed
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_allow_list_reload_fails_closed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A deleted directory, a bad file or an empty list admits nobody (before: the last good
+    list stayed in force); fixing the list admits again, without a restart."""
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    generate(keys, "engine")
+    generate(keys, "other")
+    allow.mkdir()
+    shutil.copy(keys / "engine.key", allow / "engine.key")
+    engine = sec.load_public_key(keys / "engine.key")
+    other = sec.load_public_key(keys / "other.key")
+    guard = sec.AllowList(allow)
+    assert guard.allowed(engine) and not guard.allowed(other)
+    caplog.set_level("ERROR", logger="kvoffload.daemon")
+    saved = tmp_path / "saved"
+    allow.rename(saved)  # the whole directory gone
+    assert not guard.allowed(engine)
+    assert "refusing every client" in caplog.text
+    saved.rename(allow)
+    assert guard.allowed(engine)
+    (allow / "broken.key").write_text("not a key\n")  # one bad file
+    assert not guard.allowed(engine) and guard.failed is not None
+    (allow / "broken.key").write_text(f"{other.decode()} the other engine\n")
+    assert guard.allowed(engine) and guard.allowed(other) and guard.failed is None
+    (allow / "engine.key").unlink()
+    (allow / "broken.key").unlink()  # an empty list: nobody
+    assert not guard.allowed(engine) and not guard.allowed(other)
+    one = tmp_path / "one.txt"  # a single-file list, deleted
+    one.write_text(engine.decode() + "\n")
+    single = sec.AllowList(one)
+    assert single.allowed(engine)
+    one.unlink()
+    assert not single.allowed(engine)
