@@ -116,3 +116,12 @@ def test_kvoffload_stats_command(daemon_after_demo) -> None:
                           "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["hit_tokens_total"] == demo["hit_tokens"]
+
+
+def test_text_summary_never_prints_none_for_what_the_sources_lack() -> None:
+    from kvoffload.daemon.stats_cli import render, summarize
+
+    # A /metrics page without any kvoffload series (a daemon of another build, a proxy).
+    text = render(summarize(None, {}), ["http://x/metrics"])
+    assert "None" not in text and "clients            ?   namespaces ?" in text
+    assert "? resident, ? being stored, ? pinned; ? slots" in text
