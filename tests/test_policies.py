@@ -68,7 +68,46 @@ def test_key_order_matches_a_list_through_compactions() -> None:
     # Repeated pushes of hot keys must not grow the queue without bound.
     for _ in range(10_000):
         order.push(1)
-    assert len(order._queue) <= len(order) * 2 + 64
+    assert order.queued <= len(order) * 2 + 64
+
+
+def test_key_order_compacts_in_steps_and_keeps_its_order_meanwhile() -> None:
+    """Compaction runs a few keys per push (no call rebuilds the whole queue); takes,
+    restores and discards in the middle of one see exactly the list model."""
+    rng = random.Random(3)
+    order: KeyOrder[int] = KeyOrder()
+    model: list[int] = list(range(2000))
+    for key in model:
+        order.push(key)
+    while not order.compacting:  # hot keys pushed again and again: stale occurrences
+        key = rng.randrange(50)
+        order.push(key)
+        model.remove(key)
+        model.append(key)
+    steps = 0
+    while order.compacting:
+        steps += 1
+        op = rng.random()
+        key = rng.randrange(2000)
+        if op < 0.7:
+            order.push(key)
+            if key in model:
+                model.remove(key)
+            model.append(key)
+        elif op < 0.85:
+            assert order.discard(key) == (key in model)
+            if key in model:
+                model.remove(key)
+        else:
+            banned = set(rng.sample(range(2000), 200))
+            got = order.take(2, lambda x, b=banned: x not in b)
+            want = [x for x in model if x not in banned][:2]
+            assert got == want
+            for x in want:
+                model.remove(x)
+        assert list(order) == model
+    assert steps > 100  # it took many pushes, not one rebuild
+    assert order.queued <= len(order) * 2 + 64
 
 
 def test_key_order_restores_held_keys_when_the_callback_fails() -> None:
