@@ -6,26 +6,28 @@ Slot layout (see ``layout.py``): rank ``r``'s page starts at ``r * rank_bytes`` 
 (``rank_bytes = slot_bytes // tp_world_size``); the group's block is the concatenation of its
 regions from the page start.
 
-Both devices share the planning: items are validated (a bad job copies nothing and is reported
-``ok=False``) and coalesced into runs of consecutive block ids landing in consecutive slots, so
-each (run, region) is one 2-D strided view pair. Only execution differs:
+Both devices share the planning (copy_plan.py): items are validated (a bad job copies nothing
+and is reported ``ok=False``), grouped per KV group and per ``Segment`` (the regions one strided
+view covers: usually every layer of the group), so a job is a handful of 3-D views, not one
+copy per block and layer. Jobs run on three lanes, so an expedited load never waits behind
+regular loads or stores, and loads never wait behind stores:
 
-* CUDA: two dedicated copy streams (stores and loads, so a load never queues behind a large
-  store and both PCIe directions are used). Each job first makes its stream wait on an event
-  recorded on the caller's current stream at submit time: a store must not read KV that the
-  compute stream has not finished writing, and a load must not race earlier writes (e.g. the
-  zeroing of a freshly allocated block); this is a stream-to-stream dependency, not a host sync.
-  torch only copies host<->device without a synchronous bounce when both sides are contiguous,
-  so a strided run is issued as one ``copy_(non_blocking=True)`` per row. Completion and timing
-  come from a pair of CUDA events per job.
-* CPU: the same views, copied as ~1 MiB memcpy pieces (numpy views of the same memory) by a
-  few threads, not with ``Tensor.copy_``: every ``copy_`` forks and joins torch's OpenMP team,
-  which stalls whenever another process holds a core (see ``_CpuMemcpy``). Jobs run on one
-  background thread in submission order, so ``submit_*`` returns at once as on CUDA and the
-  engine keeps stepping (memcpy releases the GIL); ``get_finished`` reports them when done.
-  ``cpu_async=False`` copies inside ``submit_*`` instead (simplest to reason about in tests).
+* CUDA: one stream per lane (the expedited one at high priority). Each job first makes its
+  stream wait on the caller's current stream (a store must not read KV the compute stream has
+  not finished writing; a load must not race earlier writes such as the zeroing of a fresh
+  block): a stream-to-stream dependency, not a host sync. The copies are one
+  ``cuMemcpyBatchAsync`` per job where the driver has it, else device gathers (copy_cuda.py).
+  Completion and timing come from a pair of CUDA events per job.
+* CPU: one thread per lane, copying the views as ~1 MiB memcpy pieces (numpy views of the same
+  memory; a memcpy that releases the GIL) spread over a few helper threads of the lane. Not
+  ``Tensor.copy_``: every ``copy_`` forks and joins torch's OpenMP team, which stalls whenever
+  another process holds a core; and not torch's ``index_copy_``, which copies int8 rows element
+  by element (measured here: 2 GB/s against 20 for memcpy). ``cpu_async=False`` copies inside
+  ``submit_*`` instead (simplest to reason about in tests).
 
-Errors never escape ``get_finished``: they become ``CopyResult(ok=False)``.
+Nothing raises out of ``submit_*`` or ``get_finished`` for a job: a job that cannot be copied
+becomes ``CopyResult(ok=False)``. An impossible geometry raises ``GeometryError`` (one line) when
+the copier is built, i.e. at registration, never inside a step.
 """
 
 from __future__ import annotations
@@ -35,28 +37,41 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from kvoffload.connector.copy_cuda import CudaLauncher
+from kvoffload.connector.copy_plan import (
+    SegmentViews,
+    SegmentWork,
+    Unit,
+    copy_units,
+    pieces,
+    plan_work,
+    unit_views,
+)
 from kvoffload.connector.layout import (
     KVLayout,
-    block_runs,
     group_bytes_per_block,
     items_for_groups,
     layout_from_canonical,
 )
 from kvoffload.connector.metrics import get_metrics
-from kvoffload.connector.pool_map import PoolMapping
+from kvoffload.connector.pool_map import MappingTask, PoolMapping
 
 __all__ = [
     "BlockCopier",
     "CopyResult",
+    "GeometryError",
     "KVLayout",
+    "MappingTask",
     "PoolMapping",
+    "RefusedCopier",
+    "check_geometry",
     "group_bytes_per_block",
     "items_for_groups",
     "layout_from_canonical",
@@ -66,8 +81,12 @@ logger = logging.getLogger("kvoffload.connector")
 
 STORE = "store"
 LOAD = "load"
+EXPEDITED = "expedited"  # the lane of expedited loads (direction LOAD)
+LANES = (STORE, LOAD, EXPEDITED)
 
-CopyOp = tuple[torch.Tensor, torch.Tensor]  # (dst, src), equal shapes
+
+class GeometryError(ValueError):
+    """This engine's KV layout cannot use the pool's slots (a one-line reason)."""
 
 
 class CopyResult(NamedTuple):
@@ -77,11 +96,31 @@ class CopyResult(NamedTuple):
     seconds: float
 
 
+def check_geometry(layout: KVLayout, rank: int, tp_world_size: int, slot_bytes: int,
+                   pool_bytes: int | None = None) -> str | None:
+    """Why this layout cannot copy into ``slot_bytes`` slots, or None when it can."""
+    if tp_world_size <= 0 or not 0 <= rank < tp_world_size:
+        return f"rank {rank} is outside a world of {tp_world_size} ranks"
+    if slot_bytes <= 0 or slot_bytes % tp_world_size:
+        return (f"slot size {slot_bytes} B (--slot-bytes) is not a positive multiple of the "
+                f"{tp_world_size} ranks sharing a slot")
+    rank_bytes = slot_bytes // tp_world_size
+    for g, need in enumerate(layout.bytes_per_block()):
+        if need > rank_bytes:
+            return (f"KV group {g} needs {need} B per block on rank {rank}, but a rank page is "
+                    f"{rank_bytes} B ({slot_bytes} B slots over {tp_world_size} ranks; with "
+                    f"uneven pipeline stages the slot must fit the largest stage)")
+    if pool_bytes is not None and pool_bytes < slot_bytes:
+        return f"the pool ({pool_bytes} B) is smaller than one {slot_bytes} B slot"
+    return None
+
+
 @dataclass
 class _Job:
     job_id: int
-    direction: str
-    ops: list[CopyOp]
+    direction: str  # STORE or LOAD
+    lane: str
+    work: list[SegmentWork]
     nbytes: int
     done: threading.Event = field(default_factory=threading.Event)
     result: CopyResult | None = None
@@ -89,51 +128,36 @@ class _Job:
     end_event: Any = None
 
 
-_CHUNK_BYTES = 1 << 20  # CPU work unit: big enough to amortize ~1 us of Python per chunk
-
-
-def _chunks(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Split one (rows, bytes) view pair into ~1 MiB numpy pieces (zero-copy views)."""
-    d, s = dst.numpy(), src.numpy()
-    if d.ndim == 1:
-        d, s = d[None], s[None]
-    rows, width = d.shape
-    if width >= _CHUNK_BYTES:
-        return [
-            (d[r, c : c + _CHUNK_BYTES], s[r, c : c + _CHUNK_BYTES])
-            for r in range(rows)
-            for c in range(0, width, _CHUNK_BYTES)
-        ]
-    step = max(1, _CHUNK_BYTES // max(width, 1))
-    return [(d[r : r + step], s[r : r + step]) for r in range(0, rows, step)]
-
-
-def _copy_chunks(chunks: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    for d, s in chunks:
-        np.copyto(d, s)  # a memcpy that releases the GIL
+_CHUNK_BYTES = 1 << 20  # CPU work unit: big enough to amortize ~1 us of Python per piece
 
 
 class _CpuMemcpy:
-    """Runs a job's copies as ~1 MiB memcpys spread over a few threads.
+    """Runs a job as ~1 MiB memcpy pieces (``np.copyto``: a memcpy that releases the GIL) over
+    ``threads`` threads: the caller and ``threads - 1`` helpers.
 
-    Why not ``Tensor.copy_`` per view: each call forks and joins torch's OpenMP team, which
-    costs little on an idle machine but stalls whenever a core is busy elsewhere (the engine's
-    own compute, the daemon): measured here with load ~4 on 2 cores, per-row ``copy_`` reached
-    0.06-0.6 of a contiguous copy while single-threaded memcpy pieces reached 0.7-1.8 of it.
-    Plain memcpy pieces (numpy views of the same tensors) never wait on a team.
+    The job is cut into units of about ``_CHUNK_BYTES`` (a run of blocks, or some layers of one
+    block) dealt round-robin; each thread makes its own views and copies them, so the Python
+    cost of a view (about 1 us) overlaps the other threads' copies. Two threads matter even on
+    two cores: scattered 16 KiB rows reach ~15 GB/s from one thread and ~20 from two here (more
+    misses in flight), against ~22 for one contiguous memcpy. Plain memcpy pieces never wait on
+    torch's OpenMP team: with load ~4 on 2 cores, per-row ``copy_`` reached 0.06-0.6 of a
+    contiguous copy, memcpy pieces 0.7-1.8 of it.
     """
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, name: str = "kvoffload-memcpy") -> None:
         self.threads = max(1, threads)
-        self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+        self._pool = (ThreadPoolExecutor(self.threads - 1, thread_name_prefix=name)
+                      if self.threads > 1 else None)
 
-    def copy(self, ops: list[CopyOp]) -> None:
-        chunks = [c for dst, src in ops for c in _chunks(dst, src)]
-        # Round-robin over equal-sized chunks balances bytes across threads.
-        parts = [chunks[i :: self.threads] for i in range(self.threads)]
-        futures = [self._pool.submit(_copy_chunks, p) for p in parts[1:] if p] if self._pool else []
+    def copy(self, work: list[SegmentWork], store: bool) -> None:
+        units = copy_units(work, _CHUNK_BYTES)
+        if self._pool is None or len(units) < 2:
+            _copy_units(work, units, store)
+            return
+        futures = [self._pool.submit(_copy_units, work, units[i :: self.threads], store)
+                   for i in range(1, self.threads)]
         try:
-            _copy_chunks(parts[0])
+            _copy_units(work, units[:: self.threads], store)
         finally:
             # Every piece must have stopped before the job is reported, even a failed one.
             errors = [f.exception() for f in futures]
@@ -144,6 +168,35 @@ class _CpuMemcpy:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def _copy_units(work: list[SegmentWork], units: list[Unit], store: bool) -> None:
+    for dst, src in unit_views(work, units, store):
+        for d, s in pieces(dst, src, _CHUNK_BYTES):
+            np.copyto(d, s)
+
+
+class _CpuLane:
+    """One thread running one lane's jobs in submission order."""
+
+    def __init__(self, name: str, threads: int, run: Any) -> None:
+        self.memcpy = _CpuMemcpy(threads, name)
+        self._run = run
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, job: _Job) -> None:
+        self._queue.put(job)
+
+    def _loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self._run(job, self.memcpy)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self.memcpy.close()
 
 
 class BlockCopier:
@@ -161,82 +214,94 @@ class BlockCopier:
         cpu_async: bool = True,
         cpu_threads: int | None = None,
         registry: Any = None,
+        cuda_backend: str = "auto",
     ) -> None:
-        if tp_world_size <= 0 or not 0 <= rank < tp_world_size:
-            raise ValueError(f"rank {rank} outside tp_world_size {tp_world_size}")
-        if slot_bytes <= 0 or slot_bytes % tp_world_size:
-            raise ValueError("slot_bytes must be a positive multiple of tp_world_size")
-        self.rank_bytes = slot_bytes // tp_world_size
-        if layout.max_bytes_per_block() > self.rank_bytes:
-            raise ValueError(
-                f"a block needs {layout.max_bytes_per_block()} bytes, a rank page has "
-                f"{self.rank_bytes}"
-            )
+        reason = check_geometry(layout, rank, tp_world_size, slot_bytes, mapping.size)
+        if reason is not None:
+            raise GeometryError(reason)
         dev = torch.device(device) if device is not None else layout.device
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         if layout.device != dev:
-            raise ValueError(f"layout tensors are on {layout.device}, copier device is {dev}")
+            raise GeometryError(f"layout tensors are on {layout.device}, copier device is {dev}")
         self.device = dev
         self.layout = layout
         self.rank = rank
         self.slot_bytes = slot_bytes
+        self.rank_bytes = slot_bytes // tp_world_size
         self.num_slots = mapping.size // slot_bytes
-        if self.num_slots == 0:
-            raise ValueError("pool smaller than one slot")
         self._mapping = mapping
         self._metrics = get_metrics(registry)
-        page_start = rank * self.rank_bytes
-        rank_pages = mapping.slot_view(slot_bytes)[:, page_start : page_start + self.rank_bytes]
-        # Per group, per region: the (num_blocks, nbytes) KV view and (num_slots, nbytes) pool
-        # view. Built once so a job only slices them.
-        self._views: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
+        start = rank * self.rank_bytes
+        pages = mapping.slot_view(slot_bytes)[:, start : start + self.rank_bytes]
+        # Per group, per segment: the (num_blocks, count, nbytes) KV view and the matching
+        # (num_slots, count, nbytes) pool view. Built once so a job only indexes them.
+        self._cuda = dev.type == "cuda"
+        self._views: SegmentViews = [
             [
-                (
-                    layout.tensors[r.tensor_idx][:, r.offset : r.offset + r.nbytes],
-                    rank_pages[:, r.page_offset : r.page_offset + r.nbytes],
-                )
-                for r in g.regions
+                self._native(layout.segment_view(seg),
+                             pages[:, seg.page_offset : seg.page_offset + seg.total_bytes]
+                             .unflatten(1, (seg.count, seg.nbytes)))
+                for seg in segs
             ]
-            for g in layout.groups
+            for segs in layout.segments
         ]
         self._inflight: dict[int, _Job] = {}
-        self._cuda = dev.type == "cuda"
+        self._rejected: list[CopyResult] = []  # jobs that never got an in-flight entry
         self._streams: dict[str, Any] = {}
-        self._queue: queue.Queue[_Job | None] | None = None
-        self._thread: threading.Thread | None = None
-        self._memcpy: _CpuMemcpy | None = None
+        self._lanes: dict[str, _CpuLane] = {}
+        self._sync_memcpy: _CpuMemcpy | None = None
+        self._launcher: CudaLauncher | None = None
         if self._cuda:
-            self._streams = {STORE: torch.cuda.Stream(dev), LOAD: torch.cuda.Stream(dev)}
+            self._launcher = CudaLauncher(dev, cuda_backend)
+            self._streams = {STORE: torch.cuda.Stream(dev), LOAD: torch.cuda.Stream(dev),
+                             EXPEDITED: torch.cuda.Stream(dev, priority=-1)}
         else:
             n = cpu_threads or min(torch.get_num_threads(), os.cpu_count() or 1, 8)
-            self._memcpy = _CpuMemcpy(n)
             if cpu_async:
-                self._queue = queue.Queue()
-                self._thread = threading.Thread(
-                    target=self._cpu_worker, name=f"kvoffload-copier-r{rank}", daemon=True
-                )
-                self._thread.start()
+                self._lanes = {lane: _CpuLane(f"kvoffload-{lane}-r{rank}", n, self._run_cpu)
+                               for lane in LANES}
+            else:
+                self._sync_memcpy = _CpuMemcpy(n)
+        # Ids of load jobs to expedite, for a caller whose submit path cannot pass the flag
+        # (the vLLM worker sets it to the set its submit_load fills).
+        self.expedited_jobs: Container[int] = frozenset()
         self._closed = False
+
+    def _native(self, kv: torch.Tensor, pool: torch.Tensor) -> tuple[Any, Any]:
+        """CPU views as numpy arrays of the same memory: indexing a numpy array costs ~0.2 us
+        against ~1.5 us for a tensor, which at 16-token pages is most of a block's copy time."""
+        return (kv, pool) if self._cuda else (kv.numpy(), pool.numpy())
+
+    @property
+    def cuda_backend(self) -> str | None:
+        return self._launcher.backend if self._launcher is not None else None
 
     # ---- submission ---------------------------------------------------------------------
 
     def submit_store(self, job_id: int, items: Iterable[Sequence[int]]) -> bool:
         """Copy KV blocks into pool slots. Returns False if the job was rejected (it is still
-        reported by ``get_finished``, with ok=False)."""
-        return self._submit(job_id, STORE, items)
+        reported by ``get_finished``, with ok=False). Never raises for a job."""
+        return self._submit(job_id, STORE, STORE, items)
 
-    def submit_load(self, job_id: int, items: Iterable[Sequence[int]]) -> bool:
-        """Copy pool slots into KV blocks. Same contract as ``submit_store``."""
-        return self._submit(job_id, LOAD, items)
+    def submit_load(self, job_id: int, items: Iterable[Sequence[int]],
+                    expedited: bool = False) -> bool:
+        """Copy pool slots into KV blocks. Same contract as ``submit_store``; an expedited
+        load (``expedited=True``, or its id in ``expedited_jobs``) runs on its own lane, never
+        behind regular loads or stores."""
+        fast = expedited or job_id in self.expedited_jobs
+        return self._submit(job_id, LOAD, EXPEDITED if fast else LOAD, items)
 
-    def _submit(self, job_id: int, direction: str, items: Iterable[Sequence[int]]) -> bool:
-        if self._closed:
-            raise RuntimeError("BlockCopier is closed")
-        if job_id in self._inflight:
-            # A caller bug: two results with one id could not be told apart.
-            raise ValueError(f"job {job_id} is already in flight")
-        job = _Job(job_id, direction, [], 0)
+    def _submit(self, job_id: int, direction: str, lane: str,
+                items: Iterable[Sequence[int]]) -> bool:
+        if self._closed or job_id in self._inflight:
+            # A caller bug (two results with one id could not be told apart), or a job after
+            # shutdown: reported as failed, never raised into the engine's step.
+            why = "the copier is closed" if self._closed else "its job id is already in flight"
+            logger.error("rejecting %s job %d: %s", direction, job_id, why)
+            self._rejected.append(CopyResult(job_id, False, 0, 0.0))
+            return False
+        job = _Job(job_id, direction, lane, [], 0)
         self._inflight[job_id] = job
         checked = self._check_items(items, direction)
         if isinstance(checked, str):
@@ -244,17 +309,19 @@ class BlockCopier:
             self._finish(job, ok=False, seconds=0.0)
             return False
         try:
-            job.ops, job.nbytes = self._plan(checked, direction == STORE)
+            job.work = self._plan(checked)
+            job.nbytes = sum(w.nbytes for w in job.work)
         except Exception:
             logger.exception("planning %s job %d failed", direction, job_id)
             self._finish(job, ok=False, seconds=0.0)
             return False
         if self._cuda:
             self._launch_cuda(job)
-        elif self._queue is not None:
-            self._queue.put(job)
+        elif self._lanes:
+            self._lanes[lane].put(job)
         else:
-            self._run_cpu(job)
+            assert self._sync_memcpy is not None
+            self._run_cpu(job, self._sync_memcpy)
         return True
 
     def _check_items(self, items: Iterable[Sequence[int]], direction: str) -> np.ndarray | str:
@@ -281,62 +348,38 @@ class BlockCopier:
             return "a (group, block) appears twice in one load"
         return arr
 
-    def _plan(self, arr: np.ndarray, store: bool) -> tuple[list[CopyOp], int]:
-        ops: list[CopyOp] = []
-        nbytes = 0
-        for g in np.unique(arr[:, 0]).tolist():
-            sel = arr[arr[:, 0] == g]
-            views = self._views[g]
-            for b0, s0, n in block_runs(sel[:, 1], sel[:, 2]):
-                for kv_view, pool_view in views:
-                    kv = kv_view[b0 : b0 + n]
-                    pool = pool_view[s0 : s0 + n]
-                    dst, src = (pool, kv) if store else (kv, pool)
-                    if not self._cuda or n == 1 or (dst.is_contiguous() and src.is_contiguous()):
-                        ops.append((dst, src))
-                    else:
-                        ops.extend((dst[i], src[i]) for i in range(n))
-            nbytes += len(sel) * self.layout.groups[g].bytes_per_block
-        return ops, nbytes
+    def _plan(self, arr: np.ndarray) -> list[SegmentWork]:
+        return plan_work(self._views, arr)
 
     # ---- execution ----------------------------------------------------------------------
 
     def _launch_cuda(self, job: _Job) -> None:
-        stream = self._streams[job.direction]
+        assert self._launcher is not None
+        stream = self._streams[job.lane]
         try:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             job.start_event = torch.cuda.Event(enable_timing=True)
             job.end_event = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(stream):
                 job.start_event.record(stream)
-                for dst, src in job.ops:
-                    dst.copy_(src, non_blocking=True)
+                self._launcher.launch(job.work, job.direction == STORE, stream)
                 job.end_event.record(stream)
         except Exception:
             logger.exception("enqueueing %s job %d failed", job.direction, job.job_id)
             self._finish(job, ok=False, seconds=0.0)
         # Views are only Python handles; the stream keeps no reference to them.
-        job.ops = []
+        job.work = []
 
-    def _run_cpu(self, job: _Job) -> None:
+    def _run_cpu(self, job: _Job, memcpy: _CpuMemcpy) -> None:
         t0 = time.perf_counter()
         ok = True
         try:
-            assert self._memcpy is not None
-            self._memcpy.copy(job.ops)
+            memcpy.copy(job.work, job.direction == STORE)
         except Exception:
             logger.exception("%s job %d failed", job.direction, job.job_id)
             ok = False
-        job.ops = []
+        job.work = []
         self._finish(job, ok=ok, seconds=time.perf_counter() - t0)
-
-    def _cpu_worker(self) -> None:
-        assert self._queue is not None
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self._run_cpu(job)
 
     def _finish(self, job: _Job, ok: bool, seconds: float) -> None:
         job.result = CopyResult(job.job_id, ok, job.nbytes if ok else 0, seconds)
@@ -362,7 +405,7 @@ class BlockCopier:
 
     def get_finished(self) -> list[CopyResult]:
         """Results of jobs finished since the last call, in submission order. Never raises."""
-        out: list[CopyResult] = []
+        out, self._rejected = self._rejected, []
         for job_id, job in list(self._inflight.items()):
             if not self._poll(job):
                 continue
@@ -395,13 +438,12 @@ class BlockCopier:
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None and self._queue is not None:
-            self._queue.put(None)
-            self._thread.join()
+        for lane in self._lanes.values():
+            lane.close()
         for stream in self._streams.values():
             stream.synchronize()
-        if self._memcpy is not None:
-            self._memcpy.close()
+        if self._sync_memcpy is not None:
+            self._sync_memcpy.close()
         self._views = []
 
     def __enter__(self) -> BlockCopier:
@@ -409,3 +451,34 @@ class BlockCopier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RefusedCopier:
+    """Stands in for a copier that could not be built (bad geometry, pool file missing): every
+    job is reported failed by ``get_finished``; nothing raises into the engine's step."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self.expedited_jobs: Container[int] = frozenset()
+        self._results: list[CopyResult] = []
+
+    def _refuse(self, job_id: int) -> bool:
+        self._results.append(CopyResult(job_id, False, 0, 0.0))
+        return False
+
+    def submit_store(self, job_id: int, items: Iterable[Sequence[int]]) -> bool:
+        return self._refuse(job_id)
+
+    def submit_load(self, job_id: int, items: Iterable[Sequence[int]],
+                    expedited: bool = False) -> bool:
+        return self._refuse(job_id)
+
+    def get_finished(self) -> list[CopyResult]:
+        out, self._results = self._results, []
+        return out
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

@@ -38,6 +38,29 @@ class Region:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """Consecutive regions of one group that one 3-D strided view covers.
+
+    ``count`` regions of ``nbytes`` each, all in one storage and ``step`` bytes apart at every
+    block (equal block strides), back to back in the slot page from ``page_offset``. vLLM's
+    layer-compact layouts put every layer's page in one buffer at a fixed distance, so one
+    segment usually spans every layer of a group: a job then costs one copy call per block (or
+    per run of blocks) instead of one per layer, which is what keeps small pages at memcpy speed.
+    """
+
+    tensor_idx: int  # the first region's tensor
+    offset: int  # the first region's offset in that tensor's page
+    nbytes: int
+    count: int
+    step: int  # storage distance between consecutive regions (bytes); 0 when count == 1
+    page_offset: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.nbytes * self.count
+
+
+@dataclass(frozen=True)
 class GroupLayout:
     """The regions that make up one block of one KV-cache group, in slot order."""
 
@@ -117,6 +140,18 @@ class KVLayout:
                     raise ValueError(f"group {g}: range {off}+{n} outside tensor {t_idx}'s page")
             groups.append(_group_layout(ranges))
         self.groups: tuple[GroupLayout, ...] = tuple(groups)
+        self.segments: tuple[tuple[Segment, ...], ...] = tuple(
+            _fuse(self.tensors, g.regions) for g in self.groups
+        )
+
+    def segment_view(self, seg: Segment) -> torch.Tensor:
+        """``(num_blocks, count, nbytes)`` view of the KV bytes one segment covers (no copy)."""
+        t = self.tensors[seg.tensor_idx]
+        return t.as_strided(
+            (self.num_blocks, seg.count, seg.nbytes),
+            (t.stride(0), max(seg.step, 1), 1),
+            t.storage_offset() + seg.offset,
+        )
 
     @classmethod
     def from_group_tensors(cls, groups: Sequence[Sequence[torch.Tensor]]) -> KVLayout:
@@ -149,6 +184,37 @@ class KVLayout:
         """The same layout over copies of the tensors on another device (tests, benchmarks)."""
         ranges = [[(r.tensor_idx, r.offset, r.nbytes) for r in g.regions] for g in self.groups]
         return KVLayout([t.to(device) for t in self.tensors], ranges)
+
+
+def _fuse(tensors: Sequence[torch.Tensor], regions: Sequence[Region]) -> tuple[Segment, ...]:
+    """Greedily merge consecutive regions that one strided view can cover (see ``Segment``)."""
+
+    def where(r: Region) -> tuple[int, int, int]:
+        t = tensors[r.tensor_idx]
+        return t.untyped_storage().data_ptr(), int(t.storage_offset()) + r.offset, int(t.stride(0))
+
+    out: list[Segment] = []
+    last: tuple[int, int, int] | None = None  # storage, start, row stride of the last region
+    for r in regions:
+        here = where(r)
+        if out and last is not None:
+            seg = out[-1]
+            step = here[1] - last[1]
+            fits = (
+                here[0] == last[0]
+                and here[2] == last[2]
+                and r.nbytes == seg.nbytes
+                and step >= seg.nbytes  # disjoint at every block: a load may write them all
+                and (seg.count == 1 or step == seg.step)
+            )
+            if fits:
+                out[-1] = Segment(seg.tensor_idx, seg.offset, seg.nbytes, seg.count + 1, step,
+                                  seg.page_offset)
+                last = here
+                continue
+        out.append(Segment(r.tensor_idx, r.offset, r.nbytes, 1, 0, r.page_offset))
+        last = here
+    return tuple(out)
 
 
 def _canonical_ranges(kv_caches: Any) -> list[list[tuple[int, int, int]]]:

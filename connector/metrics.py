@@ -44,6 +44,7 @@ class ConnectorMetrics:
             self.pool_pinned_bytes: Any = noop
             self.copy_jobs: Any = noop
             self.copy_bytes: Any = noop
+            self.worker_pin_seconds: Any = noop
             return
         self.pool_mapped_bytes = Gauge(
             "kvoffload_connector_pool_mapped_bytes",
@@ -59,6 +60,12 @@ class ConnectorMetrics:
             "kvoffload_connector_copy_jobs",
             "Block copy jobs finished, by direction (store, load) and result (ok, failed).",
             ["direction", "result"],
+            registry=reg,
+        )
+        self.worker_pin_seconds = Gauge(
+            "kvoffload_worker_pin_seconds",
+            "Seconds the last pool mapping of this process took to map, pre-fault and pin "
+            "(done at worker creation, off the step path).",
             registry=reg,
         )
         self.copy_bytes = Counter(

@@ -9,6 +9,12 @@ With CUDA the whole mapping is registered with cudaHostRegister: pinned host mem
 lets cudaMemcpyAsync run on the copy engines without a host-side bounce through a staging
 buffer. Registration is undone on close; a failed registration leaves the pool pageable
 (copies still work, slower), never half-registered.
+
+Mapping, pre-faulting and pinning a large pool takes seconds (first touch of /dev/shm runs at
+1-2 GB/s here; cudaHostRegister walks every page), so an engine worker starts it at creation on
+a background thread (``MappingTask``) and its first copy job only waits for what is left. A
+mapping keeps serving across daemon restarts while the file is the same one (device and inode):
+a restarted daemon that reopened its pool file needs no new mapping.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import ctypes
 import logging
 import mmap
 import os
+import threading
+import time
 from typing import Any
 
 import torch
@@ -46,6 +54,15 @@ def _clear_cuda_last_error() -> None:
             ctypes.CDLL(lib).cudaGetLastError()
     except (OSError, AttributeError):
         logger.debug("could not clear the CUDA last error", exc_info=True)
+
+
+def file_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of a file, None if it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _log_unpinned_once(reason: str) -> None:
@@ -83,7 +100,9 @@ class PoolMapping:
         self._closed = False
         fd = os.open(path, os.O_RDWR)
         try:
-            actual = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self.identity: tuple[int, int] = (st.st_dev, st.st_ino)
+            actual = st.st_size
             if actual < size:
                 raise ValueError(f"pool file {path} has {actual} bytes, expected {size}")
             self._mmap: mmap.mmap | None = mmap.mmap(
@@ -142,6 +161,11 @@ class PoolMapping:
                 logger.warning("cudaHostUnregister failed (error %d)", int(err))
         self._registered.clear()
 
+    def same_file(self, path: str, size: int) -> bool:
+        """Whether this mapping still serves ``path`` for ``size`` bytes: the same file (device
+        and inode; a recreated file is a new one) and at least that large."""
+        return not self._closed and size <= self.size and file_identity(path) == self.identity
+
     def slot_view(self, slot_bytes: int) -> torch.Tensor:
         """The pool as ``(num_slots, slot_bytes)``; a trailing partial slot is left out."""
         num_slots = self.size // slot_bytes
@@ -175,3 +199,70 @@ class PoolMapping:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class MappingTask:
+    """Maps, pre-faults and pins a pool file on a background thread, started at construction.
+
+    ``size=None`` maps the whole file. ``wait_ready()`` returns the ``PoolMapping`` (waiting for
+    the rest of the work, if any) or raises what mapping raised. The time taken is logged and
+    exported as ``kvoffload_worker_pin_seconds``.
+    """
+
+    def __init__(self, path: str, size: int | None = None, *, pin: bool | None = None,
+                 populate: bool = True, registry: Any = None, label: str = "") -> None:
+        self.path = path
+        self.size = size
+        self.seconds: float | None = None
+        self._kwargs: dict[str, Any] = {"pin": pin, "populate": populate, "registry": registry}
+        self._metrics = get_metrics(registry)
+        self._label = label
+        self._mapping: PoolMapping | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvoffload-pool-map", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            size = self.size if self.size is not None else os.stat(self.path).st_size
+            self._mapping = PoolMapping(self.path, size, **self._kwargs)
+        except BaseException as exc:  # handed to whoever waits, never lost in this thread
+            self._error = exc
+        finally:
+            self.seconds = time.perf_counter() - t0
+            if self._error is None and self._mapping is not None:
+                self._metrics.worker_pin_seconds.set(self.seconds)
+                logger.info("kvoffload%s: mapped %s (%d MiB, %s) in %.2f s", self._label,
+                            self.path, self._mapping.size >> 20,
+                            "pinned" if self._mapping.pinned else "pageable", self.seconds)
+            else:
+                logger.warning("kvoffload%s: mapping %s failed: %s", self._label, self.path,
+                               self._error)
+            self._done.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._done.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> PoolMapping:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"mapping {self.path} not done after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._mapping is not None
+        return self._mapping
+
+    def serves(self, path: str, size: int) -> bool:
+        """Whether this task's mapping (waited for) serves ``path`` for ``size`` bytes."""
+        try:
+            return self.wait_ready().same_file(path, size)
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        """Unmap (after the background work ends: it cannot be interrupted)."""
+        self._thread.join()
+        if self._mapping is not None:
+            self._mapping.close()

@@ -21,12 +21,14 @@ from kvoffload.connector import pool_map
 from kvoffload.connector.copier import (
     BlockCopier,
     CopyResult,
+    GeometryError,
     KVLayout,
     PoolMapping,
     group_bytes_per_block,
     items_for_groups,
     layout_from_canonical,
 )
+from kvoffload.connector.copy_plan import SegmentWork
 from kvoffload.connector.layout import block_runs
 from prometheus_client import CollectorRegistry
 
@@ -298,8 +300,11 @@ def test_failed_copy_reported_not_raised(
 ) -> None:
     w = BlockCopier(mapping, make_layout(5), 0, 1, SLOT_BYTES)
 
-    def broken_plan(arr: object, store: bool) -> tuple[list, int]:
-        return [(torch.empty(1, 10, dtype=torch.int8), torch.empty(1, 20, dtype=torch.int8))], 10
+    def broken_plan(arr: object) -> list[SegmentWork]:
+        # Views whose shapes disagree: the copy itself fails, on the lane's thread.
+        one = np.array([1])
+        return [SegmentWork(np.zeros((4, 1, 10), np.int8), np.zeros((4, 1, 20), np.int8),
+                            one, one)]
 
     monkeypatch.setattr(w, "_plan", broken_plan)
     assert w.submit_store(7, [(0, 1, 1)]) is True
@@ -309,14 +314,15 @@ def test_failed_copy_reported_not_raised(
     w.close()
 
 
-def test_job_id_in_flight_twice_is_an_error(mapping: PoolMapping) -> None:
+def test_job_id_in_flight_twice_is_reported_not_raised(mapping: PoolMapping) -> None:
     with BlockCopier(mapping, make_layout(6), 0, 1, SLOT_BYTES, cpu_async=False) as w:
-        w.submit_store(1, [(0, 1, 1)])
-        with pytest.raises(ValueError):
-            w.submit_store(1, [(0, 2, 2)])
-        assert [r.job_id for r in w.get_finished()] == [1]
-        w.submit_store(1, [(0, 2, 2)])  # reusable once reported
+        assert w.submit_store(1, [(0, 1, 1)]) is True
+        assert w.submit_store(1, [(0, 2, 2)]) is False  # a caller bug, never an exception
+        assert sorted((r.job_id, r.ok) for r in w.get_finished()) == [(1, False), (1, True)]
+        assert w.submit_store(1, [(0, 2, 2)]) is True  # reusable once reported
         assert w.get_finished()[0].ok
+    assert w.submit_store(2, [(0, 3, 3)]) is False  # closed: reported, not raised
+    assert w.get_finished() == [CopyResult(2, False, 0, 0.0)]
 
 
 def test_empty_job_and_results_in_submission_order(mapping: PoolMapping) -> None:
@@ -328,9 +334,21 @@ def test_empty_job_and_results_in_submission_order(mapping: PoolMapping) -> None
         assert [(r.job_id, r.ok) for r in w.get_finished()] == [(3, True), (1, True), (2, True)]
 
 
-def test_rank_page_too_small_rejected(mapping: PoolMapping) -> None:
-    with pytest.raises(ValueError):
-        BlockCopier(mapping, make_layout(8), 0, 4, SLOT_BYTES)  # 2048 < 2560 bytes per block
+@pytest.mark.parametrize(
+    "rank, world, slot_bytes, words",
+    [
+        (0, 4, SLOT_BYTES, "needs 2560 B per block"),  # 2048 B rank pages < 2560 B blocks
+        (0, 3, SLOT_BYTES, "not a positive multiple of the 3 ranks"),  # --slot-bytes vs TP
+        (2, 2, SLOT_BYTES, "outside a world of 2"),
+        (0, 1, SLOT_BYTES * NUM_SLOTS * 2, "smaller than one"),
+    ],
+)
+def test_impossible_geometry_refused_in_one_line(
+    mapping: PoolMapping, rank: int, world: int, slot_bytes: int, words: str
+) -> None:
+    with pytest.raises(GeometryError) as info:
+        BlockCopier(mapping, make_layout(8), rank, world, slot_bytes)
+    assert words in str(info.value) and "\n" not in str(info.value)
 
 
 def test_pinned_metric_zero_on_cpu_and_logged_once(
