@@ -328,6 +328,11 @@ def test_kubernetes_manifests_are_well_formed() -> None:
                 assert selector.items() <= labels.items(), doc["metadata"]["name"]
 
 
+def _mounted_at(mounts: dict[str, str], path: str) -> str:
+    """The mount path holding ``path`` (the socket may sit in a folder inside a volume)."""
+    return max((m for m in mounts if path == m or path.startswith(m.rstrip("/") + "/")), key=len)
+
+
 @pytest.mark.parametrize("variant", ["sidecar", "daemonset"])
 def test_kubernetes_variant_wires_vllm_to_the_daemon(variant: str) -> None:
     docs = _manifests()[variant]
@@ -340,6 +345,7 @@ def test_kubernetes_variant_wires_vllm_to_the_daemon(variant: str) -> None:
     control = _arg(daemon, "--control")
     assert control is not None and control.startswith("ipc:///")
     sock_dir = str(Path(control[len("ipc://"):]).parent)
+    sock_mount = _mounted_at({m["mountPath"]: m["name"] for m in daemon["volumeMounts"]}, sock_dir)
     pool_dir = str(Path(_arg(daemon, "--pool-path") or Config().pool_path).parent)
     http = _arg(daemon, "--http")
     assert http is not None and http.startswith("0.0.0.0:")  # probes arrive on the pod IP
@@ -353,11 +359,11 @@ def test_kubernetes_variant_wires_vllm_to_the_daemon(variant: str) -> None:
     pool_volume = volumes[mounts[pool_dir]]
     if variant == "sidecar":
         assert pool_volume["emptyDir"]["medium"] == "Memory"
-        assert volumes[mounts[sock_dir]]["emptyDir"]
+        assert volumes[mounts[sock_mount]]["emptyDir"]
     else:
         assert ddoc["kind"] == "DaemonSet"
         assert pool_volume["hostPath"]["path"] == "/dev/shm"
-        assert volumes[mounts[sock_dir]]["hostPath"]["path"] == sock_dir
+        assert volumes[mounts[sock_mount]]["hostPath"]["path"] == sock_dir
     for _, espec, engine in engines:
         cfg = json.loads(_arg(engine, "--kv-transfer-config") or "")
         assert cfg["kv_connector"] == "OffloadingConnector" and cfg["kv_role"] == "kv_both"
@@ -368,7 +374,7 @@ def test_kubernetes_variant_wires_vllm_to_the_daemon(variant: str) -> None:
         # The engine sees the socket and the pool file at the daemon's paths.
         emounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
         evolumes = {v["name"]: v for v in espec["volumes"]}
-        for path in (sock_dir, pool_dir):
+        for path in (sock_mount, pool_dir):
             mine, theirs = evolumes[emounts[path]], volumes[mounts[path]]
             if "hostPath" in theirs:
                 assert mine["hostPath"]["path"] == theirs["hostPath"]["path"], path
