@@ -77,7 +77,7 @@ def _metrics_text(url: str) -> str:
 
 def _provoke_rare_outcomes(control: str) -> None:
     """A protocol error, stores refused for lack of space, and a client that dies mid-store."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(control)
