@@ -226,6 +226,14 @@ class Server:
             raise StartupError(str(exc)) from None
         if warning := insecure_endpoint_warning(self.config.control, self.curve is not None):
             log.warning("%s", warning)
+        try:  # before the pool is sized and pre-faulted: a port in use fails in a moment
+            await self.http.start()  # /readyz answers 503 until the daemon accepts
+        except OSError as exc:
+            raise StartupError(f"http {self.config.http}: cannot listen: {exc.strerror or exc}"
+                               "; choose a free port with --http HOST:PORT (port 0 picks one)"
+                               ) from None
+        # Engines of a previous daemon stop trusting its index before this one touches the pool.
+        supersede(index_path_for(self.pool.path))
         try:
             self.pool.open()
         except OSError as exc:
@@ -244,12 +252,6 @@ class Server:
                 raise StartupError(f"disk tier {self.config.disk_dir}: {exc}") from None
         self._bind()
         await self.events.start()
-        try:
-            await self.http.start()
-        except OSError as exc:
-            raise StartupError(f"http {self.config.http}: cannot listen: {exc.strerror or exc}"
-                               "; choose a free port with --http HOST:PORT (port 0 picks one)"
-                               ) from None
         self.service.http_url = self.http.url
         loop = asyncio.get_running_loop()
         self._loops = [loop.create_task(self._serve_control()),

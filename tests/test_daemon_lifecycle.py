@@ -59,11 +59,11 @@ def test_second_daemon_on_same_endpoint_or_pool_fails_clearly(tmp_path) -> None:
         cmd = d.command()
         same_control = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert same_control.returncode == 1
-        assert "in use by another kvoffload daemon" in same_control.stderr
+        assert f"is in use by pid {d.proc.pid}" in same_control.stderr  # type: ignore[union-attr]
         other_control = [a if a != d.control else f"ipc://{d.workdir}/other.sock" for a in cmd]
         same_pool = subprocess.run(other_control, capture_output=True, text=True, timeout=60)
         assert same_pool.returncode == 1
-        assert "pool file" in same_pool.stderr
+        assert f"pool_path {d.pool_path} is locked by pid" in same_pool.stderr
         # The first daemon is untouched.
         c = DaemonClient(d.control, timeout_ms=5000)
         c.register(EXAMPLE)
