@@ -98,6 +98,11 @@ TEMPLATES: list[p._Msg] = [
     p.Touch(rid=10, engine=FUZZ_ENGINE, keys=_K[:2]),
     p.Heartbeat(rid=11), p.Stats(rid=12), p.Reset(rid=13, engine=FUZZ_ENGINE),
     p.Bye(rid=14),
+    p.Step(rid=15, engine=FUZZ_ENGINE, epoch=3, pins=[p.SlotRef(_K[0], 1, 1)],
+           releases=[p.SlotRef(_K[0], 1, 1)], claims=[p.StoreClaim(
+               item=p.StoreItem(key=_K[1], end_token=16, token_ids=[1]), slot=2, gen=1)],
+           commits=[p.SlotRef(_K[1], 2, 1)], reserve=4, finds=_K[2:4],
+           lookups=[p.LookupReport(req_id="r", num_tokens=32, hit_tokens=16)]),
 ]
 _ENCODED = [p.encoder.encode(m) for m in TEMPLATES]
 _ODD: list[Any] = [None, True, False, -1, 0, 2**63 - 1, 2**64 - 1, -(2**63), 1.5, float("nan"),
@@ -182,6 +187,32 @@ def _bytewise(rng: random.Random) -> bytes:
     return bytes(b)
 
 
+_DEPTHS = [2000, 5000, 20_000, 50_000]  # always past the interpreter's recursion limit
+_ENGINES = [2, 77, 4096, 2**16, 2**31 - 1, 2**63 - 1, -1, -(2**63)]
+
+
+def _hostile(rng: random.Random) -> bytes:
+    """Frames an attacker builds on purpose (issue 16): deep nesting, huge token_ids in a
+    store item, engine ids nobody registered."""
+    action = rng.randrange(3)
+    if action == 0:  # nested far beyond any real message: in an unknown field, or whole
+        depth = rng.choice(_DEPTHS)
+        deep = (b"\x91" if rng.random() < 0.5 else b"\x81\xa1k") * depth + b"\xc0"
+        if rng.random() < 0.5:
+            return deep
+        base = rng.choice(_ENCODED)  # a fixmap: one more key holding the nesting
+        return bytes([base[0] + 1]) + base[1:] + b"\xa5extra" + deep
+    if action == 1:  # one item whose token_ids fill most of the message limit
+        n = rng.randrange(MAX_MESSAGE // 4, MAX_MESSAGE - 1024)
+        return msgspec.msgpack.encode(p.PrepareStore(rid=21, engine=FUZZ_ENGINE, items=[
+            p.StoreItem(key=_K[rng.randrange(len(_K))], end_token=16, token_ids=[7] * n)]))
+    obj = msgspec.msgpack.decode(rng.choice([e for e, m in zip(_ENCODED, TEMPLATES,
+                                                               strict=True)
+                                             if hasattr(m, "engine")]))
+    obj["engine"] = rng.choice(_ENGINES)
+    return msgspec.msgpack.encode(obj)
+
+
 def mutated_frames(rng: random.Random) -> list[bytes]:
     """One fuzz message: usually one frame, sometimes extra frames or an oversize one."""
     r = rng.random()
@@ -189,13 +220,15 @@ def mutated_frames(rng: random.Random) -> list[bytes]:
         frame = rng.randbytes(rng.randrange(0, 64))
     elif r < 0.55:
         frame = _bytewise(rng)
-    elif r < 0.97:
+    elif r < 0.94:
         frame = _structural(rng)
-    elif r < 0.985:  # over max_message_bytes (under the 4x disconnect cap)
+    elif r < 0.97:
+        frame = _hostile(rng)
+    elif r < 0.985:  # over max_message_bytes (under the 2x disconnect cap)
         frame = rng.choice(_ENCODED) + rng.randbytes(MAX_MESSAGE)
     else:
         return [rng.choice(_ENCODED), *[rng.randbytes(4) for _ in range(rng.randrange(1, 4))]]
-    # Over MAXMSGSIZE (4x the limit) ZMQ drops the connection and every reply in flight with
+    # Over MAXMSGSIZE (2x the limit) ZMQ drops the connection and every reply in flight with
     # it; that case has its own test. Longer frames are cut: still answered TOO_LARGE.
     return [frame[:2 * MAX_MESSAGE]]
 
@@ -211,7 +244,7 @@ def _classify(frames: list[bytes]) -> tuple[str, p._Msg | None]:
         return "oversize", None
     try:
         return "decodable", p.request_decoder.decode(frames[0])
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # too deep: the daemon says malformed too
         return "undecodable", None
 
 
@@ -227,6 +260,7 @@ def _fuzz(sock: zmq.Socket[Any], n: int, seed: int) -> dict[str, Any]:
     kinds: Counter[str] = Counter()
     codes: Counter[str] = Counter()
     sent = replies = skipped = 0
+    registered: list[Any] = []  # geometries the fuzz frames may have registered
     while sent < n or replies < sent:
         while sent < n and sent - replies < WINDOW:
             frames = mutated_frames(rng)
@@ -235,6 +269,8 @@ def _fuzz(sock: zmq.Socket[Any], n: int, seed: int) -> dict[str, Any]:
                 skipped += 1
                 continue
             sock.send_multipart(frames)
+            if isinstance(msg, p.Register):
+                registered.append(msg.geometry)
             kinds[kind] += 1
             sent += 1
         if not sock.poll(30_000):
@@ -244,7 +280,8 @@ def _fuzz(sock: zmq.Socket[Any], n: int, seed: int) -> dict[str, Any]:
             replies += 1
             if isinstance(reply, p.Error):
                 codes[reply.code.value] += 1
-    return {"sent": sent, "replies": replies, "skipped": skipped, "kinds": kinds, "codes": codes}
+    return {"sent": sent, "replies": replies, "skipped": skipped, "kinds": kinds, "codes": codes,
+            "registered": registered}
 
 
 def _goodbye(sock: zmq.Socket[Any]) -> None:
@@ -284,24 +321,39 @@ def _run_fuzz(tmp_path, frames: int) -> dict[str, Any]:
             raise AssertionError(f"{exc}; daemon alive: {alive}; log:\n{d.log()[-4000:]}") from None
         result["seconds"] = round(time.perf_counter() - t0, 1)
         m1 = scrape_metrics(d.http_url)
-        # Undo what the valid fuzz frames legitimately did in their own namespaces (only the
-        # client that registered a namespace may reset it); the goodbye releases the rest.
-        for engine in range(1, checker.stats()["namespaces"]):
-            sock.send(p.encoder.encode(p.Reset(rid=1, engine=engine)))
+        # Undo what the valid fuzz frames legitimately did in their own namespaces: the
+        # goodbye releases their pins and pending stores, then a client registering each
+        # namespace (only a namespace's own engines may reset it) drops its blocks.
+        _goodbye(sock)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(d.control)
+        # Every distinct geometry a fuzz Register sent (many were refused: only the one its
+        # namespace holds registers again).
+        for geometry in {msgspec.msgpack.encode(g): g for g in result["registered"]}.values():
+            sock.send(p.encoder.encode(p.Register(rid=1, geometry=geometry)))
             assert sock.poll(10_000)
-            sock.recv()
+            reply = p.reply_decoder.decode(sock.recv())
+            if isinstance(reply, p.Registered) and reply.engine != 0:
+                sock.send(p.encoder.encode(p.Reset(rid=2, engine=reply.engine)))
+                assert sock.poll(10_000)
+                sock.recv()
         _goodbye(sock)
 
         with urllib.request.urlopen(f"{d.http_url}/healthz", timeout=10) as resp:
             assert resp.status == 200
         kinds, codes = result["kinds"], result["codes"]
+
+        def delta(name: str, **labels: str) -> float:
+            return metric_sum(m1, name, **labels) - metric_sum(m0, name, **labels)
+
         assert result["replies"] == result["sent"] == frames
         assert codes["internal"] == 0, d.log()[-3000:]
         assert codes["malformed"] == kinds["undecodable"] + kinds["multi"]
         assert codes["too_large"] > kinds["oversize"] > 0  # size and key-count limits both hit
+        assert delta("kvoffload_refused_total", reason="nesting") > 0  # deep frames came
+        assert "Traceback" not in d.log()  # every frame answered, none logged as a crash
 
-        def delta(name: str) -> float:
-            return metric_sum(m1, name) - metric_sum(m0, name)
 
         assert (delta("kvoffload_requests_total"), delta("kvoffload_protocol_errors_total")) == (
             kinds["decodable"], sum(codes.values())), (kinds, codes)
@@ -317,7 +369,7 @@ def _run_fuzz(tmp_path, frames: int) -> dict[str, Any]:
 
 
 def test_frame_over_the_hard_cap_drops_only_that_connection(tmp_path) -> None:
-    """Past MAXMSGSIZE (4 x max_message_bytes) ZMQ disconnects the sender without a reply."""
+    """Past MAXMSGSIZE (2 x max_message_bytes) ZMQ disconnects the sender without a reply."""
     env = {"KVOFFLOAD_MAX_MESSAGE_BYTES": str(MAX_MESSAGE)}
     with run_daemon(tmp_path, env=env, slot_bytes=1024) as d:
         c = DaemonClient(d.control, timeout_ms=10_000)
@@ -325,7 +377,7 @@ def test_frame_over_the_hard_cap_drops_only_that_connection(tmp_path) -> None:
         sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(d.control)
-        sock.send(_ENCODED[0] + bytes(4 * MAX_MESSAGE + 1))
+        sock.send(_ENCODED[0] + bytes(2 * MAX_MESSAGE + 1))
         sock.send(_ENCODED[0])  # may or may not make it onto the reconnected pipe
         assert sock.poll(2000) in (0, zmq.POLLIN)
         sock.close()
