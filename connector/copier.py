@@ -52,6 +52,7 @@ from kvoffload.connector.copy_plan import (
     copy_units,
     pieces,
     plan_work,
+    segment_views,
     unit_views,
 )
 from kvoffload.connector.layout import (
@@ -234,18 +235,9 @@ class BlockCopier:
         self._metrics = get_metrics(registry)
         start = rank * self.rank_bytes
         pages = mapping.slot_view(slot_bytes)[:, start : start + self.rank_bytes]
-        # Per group, per segment: the (num_blocks, count, nbytes) KV view and the matching
-        # (num_slots, count, nbytes) pool view. Built once so a job only indexes them.
         self._cuda = dev.type == "cuda"
-        self._views: SegmentViews = [
-            [
-                self._native(layout.segment_view(seg),
-                             pages[:, seg.page_offset : seg.page_offset + seg.total_bytes]
-                             .unflatten(1, (seg.count, seg.nbytes)))
-                for seg in segs
-            ]
-            for segs in layout.segments
-        ]
+        self._views: SegmentViews = [[self._native(kv, pool) for kv, pool in segs]
+                                     for segs in segment_views(layout, pages)]
         self._inflight: dict[int, _Job] = {}
         self._rejected: list[CopyResult] = []  # jobs that never got an in-flight entry
         self._streams: dict[str, Any] = {}

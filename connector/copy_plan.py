@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvoffload.connector.layout import block_runs
+from kvoffload.connector.layout import KVLayout, block_runs
 
 CopyOp = tuple[Any, Any]  # (dst, src) views of equal shape, last dim contiguous
 
@@ -43,6 +43,21 @@ class SegmentWork:
 
 
 SegmentViews = list[list[tuple[Any, Any]]]  # per group: (kv, pool) per segment
+
+
+def segment_views(layout: KVLayout, pages: torch.Tensor) -> SegmentViews:
+    """Per group, per segment: the ``(num_blocks, count, nbytes)`` KV view and the matching
+    ``(num_slots, count, nbytes)`` view of ``pages`` (this rank's ``(num_slots, rank_bytes)``
+    pages of the pool). Built once; a job only indexes them."""
+    return [
+        [
+            (layout.segment_view(seg),
+             pages[:, seg.page_offset : seg.page_offset + seg.total_bytes]
+             .unflatten(1, (seg.count, seg.nbytes)))
+            for seg in segs
+        ]
+        for segs in layout.segments
+    ]
 
 
 def plan_work(views: SegmentViews, arr: np.ndarray) -> list[SegmentWork]:
