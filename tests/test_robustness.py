@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from kvoffload.bench.load import metric_sum, scrape_metrics
@@ -130,6 +131,25 @@ def test_deep_nesting_is_answered_malformed_and_counted(daemon: DaemonHandle) ->
     assert "Traceback" not in daemon.log() and "RecursionError" not in daemon.log()
     assert isinstance(raw.call(p.Heartbeat(rid=9)), p.Ack)  # the same client is served on
     raw.close()
+
+
+def test_bad_registers_are_typed_errors_and_create_nothing(tmp_path) -> None:
+    """NaN / inf rates are refused before the namespace exists; a first engine whose block
+    cannot size the pool gets a typed error, not ``internal``."""
+    with run_daemon(tmp_path, pool_bytes=16 << 20) as d:  # no --slot-bytes: Register sizes
+        raw = Raw(d.control)
+        for rate in (float("nan"), float("inf"), -1.0):
+            err = raw.call(p.Register(rid=3, geometry=EXAMPLE, prefill_tokens_per_s=rate,
+                                      copy_bytes_per_s=1e9))
+            assert isinstance(err, p.Error) and err.code == p.ErrorCode.BAD_REQUEST, err
+        huge = msgspec.structs.replace(EXAMPLE, namespace="huge", groups=tuple(
+            msgspec.structs.replace(g, bytes_per_block=64 << 20) for g in EXAMPLE.groups))
+        err = raw.call(p.Register(rid=4, geometry=huge))
+        assert isinstance(err, p.Error) and err.code == p.ErrorCode.GEOMETRY_MISMATCH, err
+        stats = raw.call(p.Stats(rid=5))
+        assert isinstance(stats, p.StatsReply) and stats.stats["namespaces"] == 0
+        assert _metric(d, "kvoffload_protocol_errors_total", code="internal") == 0
+        raw.close()
 
 
 def test_per_query_hash_limit_and_parked_lookups_per_client(daemon: DaemonHandle) -> None:
