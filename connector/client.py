@@ -103,6 +103,16 @@ class DaemonClient:
             self._sock.close(linger=0)
             self._sock = None
 
+    def socket(self) -> zmq.Socket[Any]:
+        """The DEALER socket, for a caller that sends without waiting (``IndexSession``)."""
+        return self._socket()
+
+    def reset_socket(self) -> None:
+        """Drop the socket without a goodbye: the daemon sees a new client next time."""
+        with self._lock:
+            self._reset_socket()
+        self.welcome = self.registered = None
+
     def call(self, msg: p._Msg, timeout_ms: int | None = None) -> p._Msg:
         """Send one request and wait for its reply; replies to older calls are dropped."""
         timeout = self.timeout_ms if timeout_ms is None else timeout_ms
@@ -161,6 +171,18 @@ class DaemonClient:
                                      prefill_tokens_per_s=prefill, copy_bytes_per_s=copy))
         self.registered = _expect(reply, p.Registered)
         self._geometry = (geometry, rank)
+        return self.registered
+
+    def register_reader(self, geometry: Geometry, instance: str = "") -> p.Registered:
+        """Register as an engine that reads the shared index in place (``IndexSession``)."""
+        if self.welcome is None:
+            self.connect()
+        prefill, copy = self.time_model or (0.0, 0.0)
+        reply = self.call(p.Register(rid=self.rid(), geometry=geometry,
+                                     prefill_tokens_per_s=prefill, copy_bytes_per_s=copy,
+                                     reads_index=True, instance=instance))
+        self.registered = _expect(reply, p.Registered)
+        self._geometry = (geometry, 0)
         return self.registered
 
     def lookup(

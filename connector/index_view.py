@@ -156,6 +156,10 @@ class IndexView(_Mapped):
         self.rescans += 1
         self.refresh()
 
+    def slot_of(self, key: bytes) -> int | None:
+        """The slot a READY or PENDING key is in."""
+        return self._key_slot.get(key)
+
     # -- the per-step call ----------------------------------------------------------------
 
     def refresh(self) -> int:

@@ -106,6 +106,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_message_bytes: int = 64 << 20
     max_keys_per_request: int = 1 << 16
     max_clients: int = 1024
+    # The index published in shared memory for engines to read in place (<pool_path>.index).
+    shared_index: bool = True
+    # Most empty slots one engine may hold for its next stores (prepare_store never waits).
+    max_reserved_slots: int = 256
     curve_server_key: str | None = None  # daemon secret key file: CURVE on the control socket
     curve_client_keys: str | None = None  # allow-list: dir of NAME.key files, or one file
 
@@ -117,14 +121,15 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("slot_bytes", self.slot_bytes >= 0, "must be >= 0"),
             ("slot_bytes", self.slot_bytes <= self.pool_bytes, "must be <= pool_bytes"),
             ("lease_ms", self.lease_ms >= 100, "must be at least 100 ms"),
-            ("max_message_bytes", self.max_message_bytes >= 1024, "must be >= 1024"),
-            ("max_keys_per_request", self.max_keys_per_request > 0, "must be positive"),
-            ("max_clients", self.max_clients > 0, "must be positive"),
-            ("disk_read_bytes_per_s", self.disk_read_bytes_per_s > 0, "must be positive"),
             ("policy", self.policy.strip().lower() in policy_names(),
              f"must be one of {', '.join(policy_names())}"),
             ("state_dir_errors", self.state_dir_errors in ("cold", "refuse"),
              "must be cold or refuse"),
+            ("max_message_bytes", self.max_message_bytes >= 1024, "must be >= 1024"),
+            ("max_keys_per_request", self.max_keys_per_request > 0, "must be positive"),
+            ("max_clients", self.max_clients > 0, "must be positive"),
+            ("max_reserved_slots", self.max_reserved_slots >= 0, "must be >= 0"),
+            ("disk_read_bytes_per_s", self.disk_read_bytes_per_s > 0, "must be positive"),
             ("disk_bytes", self.disk_bytes >= 0 and
              (self.disk_dir is None or self.disk_bytes > 0),
              "must be positive when disk_dir is set"),

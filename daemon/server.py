@@ -41,6 +41,7 @@ from kvoffload.daemon.notify import Notifier
 from kvoffload.daemon.pool import Pool
 from kvoffload.daemon.security import CurveGuard, insecure_endpoint_warning
 from kvoffload.daemon.service import Service
+from kvoffload.daemon.shared_index import index_path_for, supersede
 from kvoffload.daemon.startup import (
     StartFault,
     check_ipc_folders,
@@ -255,7 +256,8 @@ class Server:
         self.service.http_url = self.http.url
         loop = asyncio.get_running_loop()
         self._loops = [loop.create_task(self._serve_control()),
-                       loop.create_task(self._sweep_leases())]
+                       loop.create_task(self._sweep_leases()),
+                       loop.create_task(self._index_heartbeat())]
         self.loop_lag.start()
         self.accepting = True
         self.started = True
@@ -418,6 +420,16 @@ class Server:
                 await self._serve_frames(frames)
             await asyncio.sleep(0)
 
+    async def _index_heartbeat(self) -> None:
+        """Engines read the daemon's liveness from the shared index, without a message; fenced
+        and retired slots whose time came are reclaimed on the same tick."""
+        while True:
+            shared = self.index.shared
+            if shared is not None:
+                shared.heartbeat()
+                self.index.reclaim()
+            await asyncio.sleep(0.1)
+
     async def _sweep_leases(self) -> None:
         """Expire leases, but only after reading what clients sent: a sweep that wakes late
         (the daemon was frozen or starved) first lets the receive loop drain the backlog."""
@@ -474,6 +486,8 @@ class Server:
             await asyncio.get_running_loop().run_in_executor(None, self.journal.close)
             self.journal = None
         # Without a state dir nothing can reuse the pool file: give its memory back.
+        if self.index.shared is not None:  # engines stop trusting it before the pool goes
+            self.index.shared.close()
         self.pool.close(remove=self.config.state_dir is None)
         if self._lock_fd is not None:
             os.close(self._lock_fd)

@@ -27,7 +27,7 @@ from kvoffload.daemon.lookups import LookupHandler
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.shared_index import index_path_for
 from kvoffload.daemon.steps import StepHandler
-from kvoffload.daemon.types import Geometry, GroupKind, KeyStatus, key_group
+from kvoffload.daemon.types import Geometry, GroupKind, KeyStatus
 
 log = logging.getLogger("kvoffload.daemon")
 
@@ -46,6 +46,9 @@ def validate_geometry(g: Geometry, rank: int) -> None:
         raise _bad("namespace must be 1..512 characters")
     if not 1 <= len(g.groups) <= 64:
         raise _bad("an engine has 1..64 KV-cache groups")
+    if g.group_ids and (len(g.group_ids) != len(g.groups) or len(set(g.group_ids)) != len(g.groups)
+                        or not all(0 <= i < 1 << 32 for i in g.group_ids)):
+        raise _bad("group_ids must name each group once, as 4-byte unsigned ids")
     if g.tokens_per_hash <= 0 or g.blocks_per_chunk <= 0:
         raise _bad("tokens_per_hash and blocks_per_chunk must be positive")
     if not 1 <= g.tp_world_size <= 1024 or not 0 <= rank < g.tp_world_size:
@@ -131,11 +134,15 @@ class Service:
         return self.index.namespaces[engine]
 
     def _check_keys(self, ns: Namespace, keys: Sequence[bytes]) -> None:
-        groups = len(ns.geometry.groups)
+        g = ns.geometry
         for key in keys:
-            if not 4 < len(key) <= MAX_KEY_BYTES or key_group(key) >= groups:
-                raise _bad(f"key {key[:8].hex()}... is not a block hash plus a group index "
-                           f"below {groups}")
+            try:
+                if not 4 < len(key) <= MAX_KEY_BYTES:
+                    raise ValueError
+                g.group_pos(key)
+            except ValueError:
+                raise _bad(f"key {key[:8].hex()}... is not a block hash plus one of this "
+                           f"engine's {len(g.groups)} group ids") from None
 
     # -- session ----------------------------------------------------------------------
 
@@ -221,11 +228,11 @@ class Service:
         return p.Ack(rid=msg.rid, count=released)
 
     def _block_added(self, ns: Namespace, key: bytes, slot: int) -> None:
-        kind = ns.geometry.groups[key_group(key)].kind.value
+        kind = ns.geometry.groups[ns.geometry.group_pos(key)].kind.value
         self.metrics.blocks.labels(kind, "cpu").inc()
 
     def _block_removed(self, ns: Namespace, key: bytes, slot: int) -> None:
-        kind = ns.geometry.groups[key_group(key)].kind.value
+        kind = ns.geometry.groups[ns.geometry.group_pos(key)].kind.value
         self.metrics.blocks.labels(kind, "cpu").dec()
 
     # -- lookups ----------------------------------------------------------------------

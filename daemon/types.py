@@ -95,6 +95,9 @@ class GroupSpec(msgspec.Struct, frozen=True):
     bytes_per_block: int  # bytes of one block of this group on ONE tensor-parallel rank
     sliding_window_tokens: int | None = None  # only for sliding-window groups
     mamba_align: bool = True  # Mamba in vLLM's "align" cache mode (copy-on-write snapshots)
+    # vLLM's own kv_cache_spec_kind of the group ("mla_attention", "chunked_local_attention",
+    # ...), published as is in events; "" when unknown (then ``kind``'s value is published).
+    spec_kind: str = ""
 
 
 class Geometry(msgspec.Struct, frozen=True):

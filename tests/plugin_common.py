@@ -18,7 +18,10 @@ from kvoffload.daemon.types import Geometry, make_key  # noqa: E402
 def plugin_config(control: str, **extra: Any) -> dict[str, Any]:
     """``kv_connector_extra_config`` loading our spec against the daemon at ``control``."""
     return {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.connector.vllm",
-            "kvoffload_control": control, "kvoffload_timeout_ms": 2000, **extra}
+            "kvoffload_control": control, "kvoffload_timeout_ms": 2000,
+            # Steps run back to back here (no model): wait for our own writes' replies, so
+            # runs are deterministic on a loaded 2-core machine. Engines keep the default.
+            "kvoffload_sync_ms": 2000, **extra}
 
 
 def connect(control: str, geometry: Geometry) -> DaemonClient:
@@ -35,9 +38,12 @@ def connect(control: str, geometry: Geometry) -> DaemonClient:
     raise AssertionError("daemon did not accept a registration")
 
 
-def store(client: DaemonClient, keys: list[bytes], *, commit: bool = True) -> list[int]:
-    """Store keys (whose bytes nobody reads) and return their slots."""
-    grant = client.prepare_store([p.StoreItem(key=k, end_token=0) for k in keys])
+def store(client: DaemonClient, keys: list[bytes], *, commit: bool = True, end_token: int = 0,
+          block: int = 16) -> list[int]:
+    """Store keys (whose bytes nobody reads) and return their slots; ``end_token`` marks
+    where their states end (a tail when it is not a multiple of ``block``)."""
+    grant = client.prepare_store([p.StoreItem(key=k, end_token=end_token,
+                                              tail=end_token % block != 0) for k in keys])
     assert all(o == p.StoreOutcome.GRANTED for o in grant.outcomes), grant
     if commit:
         client.commit_store(keys)

@@ -114,11 +114,15 @@ class MiniEngine:
                     (cfg.num_blocks, PAGE), (kt.block_stride, 1))
         self.worker: Any = None
         if real_worker:
-            self.worker = OffloadingConnector(vc, KVConnectorRole.WORKER, cfg)
+            worker_cls: Any = OffloadingConnector
+            if connector == "KVOffloadConnector":
+                from kvoffload.connector.vllm import KVOffloadConnector as worker_cls
+            self.worker = worker_cls(vc, KVConnectorRole.WORKER, cfg)
             self.worker.register_kv_caches(views)
         self.steps = 0
         self.prefill_tokens: dict[str, int] = {}  # tokens the model computed per prompt
         self.on_loaded: Callable[[str], None] | None = None
+        self.failed_loads: set[str] = set()  # requests vLLM was told had failed loads
         self._stores_due: list[int] = []
 
     @property
@@ -180,8 +184,13 @@ class MiniEngine:
             self.worker.bind_connector_metadata(meta)
             self.worker.start_load_kv(None)
             self.worker.wait_for_save()
-            sending, recving = self.worker.get_finished(out.finished_req_ids)
-            kv_out.finished_sending, kv_out.finished_recving = sending, recving
+            # As vLLM's model runner does: completions and load failures together.
+            results = self.worker.get_transfer_results(out.finished_req_ids)
+            recving = results.finished_recving - results.failed_recving
+            kv_out.finished_sending = results.finished_sending
+            kv_out.finished_recving = results.finished_recving
+            kv_out.failed_recving = results.failed_recving
+            self.failed_loads |= results.failed_recving
             kv_out.kv_connector_worker_meta = self.worker.build_connector_worker_meta()
             self.worker.clear_connector_metadata()
             for req_id in recving or ():

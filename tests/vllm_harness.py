@@ -164,6 +164,7 @@ def build_scheduler_connector(
     *,
     enable_prefix_caching: bool = True,
     max_model_len: int = 8192,
+    connector_class: Any = None,
 ) -> OffloadingConnector:
     """vLLM's SCHEDULER-role ``OffloadingConnector`` with the spec named in ``extra_config``
     (``spec_name`` + ``spec_module_path``; the module must be importable by that name).
@@ -188,7 +189,8 @@ def build_scheduler_connector(
         enable_prefix_caching=enable_prefix_caching,
         max_model_len=max_model_len,
     )
-    return OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    cls = connector_class or OffloadingConnector
+    return cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
 def tokens_per_hash(connector: OffloadingConnector) -> int:

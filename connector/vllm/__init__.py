@@ -1,9 +1,10 @@
 """kvoffload's vLLM plugin: the only modules that import vLLM.
 
-Load it into vLLM 0.33's ``OffloadingConnector`` with ``kv_connector_extra_config``
-``{"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.connector.vllm",
-"kvoffload_control": "<daemon control endpoint>"}`` (see docs/vllm.md). Names are resolved
-lazily, so importing this package does not import vLLM.
+Load it with ``kv_connector="KVOffloadConnector"``, ``kv_connector_module_path=
+"kvoffload.connector.vllm"`` and ``kv_connector_extra_config`` ``{"spec_name": "KVOffloadSpec",
+"spec_module_path": "kvoffload.connector.vllm", "kvoffload_control": "<daemon endpoint>"}``
+(docs/vllm.md; vLLM's stock ``OffloadingConnector`` loads the same spec, with fewer
+guarantees). Names are resolved lazily, so importing this package does not import vLLM.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ _EXPORTS = {
     "KVOffloadConnector": "kvoffload.connector.vllm.connector",
     "DaemonOffloadingManager": "kvoffload.connector.vllm.manager",
     "DaemonOffloadingWorker": "kvoffload.connector.vllm.worker",
-    "PoolSlotsSpec": "kvoffload.connector.vllm.worker",
+    "PoolSlotsSpec": "kvoffload.connector.vllm.load_spec",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,23 +1,37 @@
 """Worker side of the plugin: vLLM's ``OffloadingWorker`` over our ``BlockCopier``.
 
 Workers never talk to the daemon. Every job's ``PoolSlotsSpec`` (built by the scheduler-side
-manager) says which pool slots to use and which pool they are in; the worker maps that pool
-once (pinned with cudaHostRegister where CUDA exists) and copies this rank's page of each slot.
-A restarted daemon has a new ``daemon_id``, and the next job maps its pool afresh.
+manager) says which pool slots to use, at which writer generation, and which pool they are in;
+the worker maps that pool once (pinned with cudaHostRegister where CUDA exists) and copies this
+rank's page of each slot. A restarted daemon has a new ``daemon_id``, and the next job maps its
+pool afresh.
+
+A load is used only if it provably read the block the manager saw: before and after the copy,
+every slot's generation in the daemon's shared index must still be the one in the spec (a slot
+handed to another writer, or an index a newer daemon superseded, fails it). A failed load is
+never reported as a success with bytes it did not have: under ``KVOffloadConnector`` the job
+completes and its request goes to vLLM's load-failure path (recompute, or fail the request, per
+``kv_load_failure_policy``); under vLLM's stock connector, which cannot take load failures, the
+job is reported failed and vLLM stops the engine rather than run on wrong KV.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from kvoffload.connector.copier import (
     BlockCopier,
     CopyResult,
+    GeometryError,
+    MappingTask,
+    RefusedCopier,
+    check_geometry,
     items_for_groups,
     layout_from_canonical,
 )
+from kvoffload.connector.index_view import IndexGone, SlotGenerations
 from kvoffload.connector.pool_map import PoolMapping
+from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
 from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -29,33 +43,6 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
 log = logging.getLogger("kvoffload.connector.vllm")
 
 
-@dataclass(frozen=True)
-class PoolInfo:
-    """The daemon's pool as this engine is registered with it."""
-
-    daemon_id: str
-    pool_path: str
-    pool_bytes: int
-    slot_bytes: int  # one pool slot: every rank's page of one key
-    rank_bytes: int
-
-
-class PoolSlotsSpec(LoadStoreSpec):  # type: ignore[misc]
-    """Where the blocks of one transfer job live in the daemon's pool (small, picklable).
-
-    ``slots[i]`` belongs to the i-th key of the job; vLLM lists keys in the same order as the
-    GPU blocks of the job's ``GPULoadStoreSpec`` (group by group, one block per key). A slot of
-    -1 means "copy nothing for this block": a store the daemon refused or could not be asked.
-    """
-
-    def __init__(self, slots: list[int], pool: PoolInfo | None) -> None:
-        self.slots = slots
-        self.pool = pool
-
-    def __repr__(self) -> str:
-        return f"PoolSlotsSpec(slots={self.slots})"
-
-
 class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     def __init__(
         self,
@@ -64,26 +51,66 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         tp_world_size: int,
         *,
         cpu_async: bool = True,
+        reports_load_errors: bool = False,
+        pool_path: str | None = None,
+        slot_bytes: int | None = None,
     ) -> None:
+        # True under KVOffloadConnector, which hands failed requests to vLLM's load-failure
+        # path; vLLM's stock connector can only be told that a job failed.
+        self.reports_load_errors = reports_load_errors
+        self.failed_requests: set[str] = set()
+        self._gens: SlotGenerations | None = None
+        self._gens_path = ""
+        # Load jobs to verify once copied: job -> (request, expedited, [(slot, gen)]).
+        self._verify: dict[int, tuple[str | None, bool, list[tuple[int, int]]]] = {}
         self.layout = layout_from_canonical(kv_caches)
         self.rank = rank
         self.tp_world_size = tp_world_size
         self.cpu_async = cpu_async
         self._pool: PoolInfo | None = None
         self._mapping: PoolMapping | None = None
-        self._copier: BlockCopier | None = None
+        self._copier: BlockCopier | RefusedCopier | None = None
         self._done: list[TransferResult] = []  # jobs with nothing to copy, and drained jobs
+        self._expedited: set[int] = set()  # load jobs the copier runs on its expedited lane
+        # Refuse at registration, in one line, a geometry no slot can hold (when known now).
+        reason = check_geometry(self.layout, rank, tp_world_size, slot_bytes) if slot_bytes else None
+        if reason is not None:
+            raise GeometryError(f"kvoffload worker rank {rank}: {reason}")
+        # Map, pre-fault and pin the pool now, off the step path, when its path is known
+        # (kvoffload_pool_path); otherwise the first job maps it (and waits for it).
+        self._task: MappingTask | None = (
+            MappingTask(pool_path, label=f" worker rank {rank}") if pool_path else None)
 
-    def _copier_for(self, pool: PoolInfo) -> BlockCopier:
+    def _copier_for(self, pool: PoolInfo) -> BlockCopier | RefusedCopier:
+        """The copier for ``pool``; never raises (a pool it cannot use fails every job)."""
         if self._copier is not None and self._pool == pool:
             return self._copier
-        self._close_copier()
-        log.info("kvoffload worker rank %d: mapping pool %s (daemon %s)", self.rank,
-                 pool.pool_path, pool.daemon_id)
-        self._mapping = PoolMapping(pool.pool_path, pool.pool_bytes)
-        self._copier = BlockCopier(self._mapping, self.layout, self.rank, self.tp_world_size,
-                                   pool.slot_bytes, self.layout.device,
-                                   cpu_async=self.cpu_async)
+        # A restarted daemon that reopened the same file (device, inode) keeps the mapping.
+        task = self._task
+        keep = task is not None and task.serves(pool.pool_path, pool.pool_bytes)
+        if keep and self._copier is not None:
+            self._copier.close()  # finishes queued and in-flight copies; results are kept
+            self._done.extend(self._result(r) for r in self._copier.get_finished())
+            self._copier = None
+        self._close_copier()  # unmaps the old pool, if it is another file
+        if not keep:
+            if task is not None:
+                task.close()
+            log.info("kvoffload worker rank %d: mapping pool %s (daemon %s)", self.rank,
+                     pool.pool_path, pool.daemon_id)
+            task = self._task = MappingTask(pool.pool_path, pool.pool_bytes,
+                                            label=f" worker rank {self.rank}")
+        assert task is not None
+        try:
+            self._mapping = task.wait_ready()  # at once when mapped at creation
+            self._copier = BlockCopier(self._mapping, self.layout, self.rank, self.tp_world_size,
+                                       pool.slot_bytes, self.layout.device,
+                                       cpu_async=self.cpu_async)
+            self._copier.expedited_jobs = self._expedited
+        except (OSError, ValueError, RuntimeError) as exc:  # GeometryError is a ValueError
+            log.error("kvoffload worker rank %d: cannot copy with pool %s; its jobs fail: %s",
+                      self.rank, pool.pool_path, exc)
+            self._copier = RefusedCopier(str(exc))
         self._pool = pool
         return self._copier
 
@@ -98,30 +125,85 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             self._mapping.close()
             self._mapping = None
 
-    @staticmethod
-    def _result(r: CopyResult) -> TransferResult:
+    def _generations(self, pool: PoolInfo) -> SlotGenerations | None:
+        if not pool.index_path:
+            return None
+        if self._gens is None or self._gens_path != pool.index_path or \
+                self._gens.daemon_id != pool.daemon_id:  # same path, a restarted daemon
+            if self._gens is not None:
+                self._gens.close()
+            try:
+                self._gens = SlotGenerations(pool.index_path, pool.daemon_id)
+            except (IndexGone, OSError) as exc:
+                log.error("kvoffload worker rank %d: cannot map the daemon's index: %s",
+                          self.rank, exc)
+                self._gens = None
+            self._gens_path = pool.index_path
+        return self._gens
+
+    def _intact(self, pool: PoolInfo | None, pairs: list[tuple[int, int]]) -> bool:
+        gens = self._generations(pool) if pool is not None else None
+        return gens is not None and all(gens.intact(slot, gen) for slot, gen in pairs)
+
+    def _result(self, r: CopyResult) -> TransferResult:
+        ok = r.ok
+        check = self._verify.pop(r.job_id, None)
+        if check is not None and ok:
+            ok = self._intact(self._pool, check[2])  # after the copy: nobody wrote meanwhile
+            if not ok:
+                log.error("kvoffload load job %d: a slot went to another writer during the "
+                          "copy", r.job_id)
         if not r.ok:
             log.error("kvoffload copy job %d failed", r.job_id)
-        return TransferResult(job_id=r.job_id, success=r.ok, transfer_size=r.nbytes,
+        if check is not None and not ok:
+            return self._failed_load(r.job_id, check[0], check[1], r.nbytes, r.seconds)
+        return TransferResult(job_id=r.job_id, success=ok, transfer_size=r.nbytes,
                               transfer_time=r.seconds)
 
+    def _failed_load(self, job_id: int, req_id: str | None, expedited: bool, nbytes: int = 0,
+                     seconds: float = 0.0) -> TransferResult:
+        """A load that did not get its bytes: to vLLM's load-failure path, never a success."""
+        if self.reports_load_errors and req_id is not None and not expedited:
+            self.failed_requests.add(req_id)  # KVOffloadConnector reports it failed_recving
+            return TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
+                                  transfer_time=seconds)
+        return TransferResult(job_id=job_id, success=False, transfer_size=nbytes,
+                              transfer_time=seconds)
+
+    def take_failed_requests(self) -> set[str]:
+        out, self.failed_requests = self.failed_requests, set()
+        return out
+
     def _submit(self, job_id: int, gpu: GPULoadStoreSpec, pool_spec: LoadStoreSpec,
-                store: bool) -> bool:
+                store: bool, expedited: bool = False) -> bool:
         assert isinstance(pool_spec, PoolSlotsSpec), f"not our spec: {pool_spec!r}"
+        pool = pool_spec.pool
+        gen_of = dict(zip(pool_spec.slots, pool_spec.gens, strict=False))
         items = [it for it in items_for_groups(gpu.block_ids, gpu.group_sizes, pool_spec.slots)
                  if it[2] >= 0]
-        if not items or pool_spec.pool is None:
-            self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=0,
-                                             transfer_time=0.0))
-            return True
-        copier = self._copier_for(pool_spec.pool)
-        # A job the copier rejects (a slot or block id out of range: a bug, never a daemon
-        # fault) is still reported by get_finished, as failed; vLLM then stops loudly rather
-        # than run on wrong KV. Submission itself always succeeded.
         if store:
-            copier.submit_store(job_id, items)
-        else:
-            copier.submit_load(job_id, items)
+            # Write only into slots still reserved for us at the spec's generation; a slot
+            # lost meanwhile is not written (its commit is refused: never readable).
+            gens = self._generations(pool) if pool is not None else None
+            items = [it for it in items if gens is not None and gens.intact(it[2], gen_of[it[2]])]
+            if not items or pool is None:
+                self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=0,
+                                                 transfer_time=0.0))
+                return True
+            self._copier_for(pool).submit_store(job_id, items)
+            return True
+        pairs = [(it[2], gen_of[it[2]]) for it in items]
+        if pool is None or -1 in pool_spec.slots or not self._intact(pool, pairs):
+            # A key without a slot, or a slot already handed on: its bytes are not there.
+            log.error("kvoffload load job %d (request %s): blocks no longer in the pool",
+                      job_id, pool_spec.req_id)
+            self._done.append(self._failed_load(job_id, pool_spec.req_id, expedited))
+            return True
+        copier = self._copier_for(pool)
+        self._verify[job_id] = (pool_spec.req_id, expedited, pairs)
+        # A job the copier rejects (a slot or block id out of range: a bug, never a daemon
+        # fault) is still reported by get_finished, as failed. Submission always succeeds.
+        copier.submit_load(job_id, items)
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
@@ -132,7 +214,12 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                     expedited: bool = False) -> bool:
         # Loads have their own copy stream in BlockCopier: an expedited load never queues
         # behind a store.
-        return self._submit(job_id, dst_spec, src_spec, store=False)
+        if expedited:
+            self._expedited.add(job_id)  # BlockCopier runs it on its own lane
+        try:
+            return self._submit(job_id, dst_spec, src_spec, store=False, expedited=expedited)
+        finally:
+            self._expedited.discard(job_id)
 
     def get_finished(self) -> list[TransferResult]:
         out, self._done = self._done, []
@@ -146,4 +233,10 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._close_copier()
+        if self._task is not None:
+            self._task.close()  # unmaps a pool mapped at creation but never used
+            self._task = None
+        if self._gens is not None:
+            self._gens.close()
+            self._gens = None
 

@@ -1,0 +1,39 @@
+"""``PoolSlotsSpec``: where one transfer job's blocks live in the daemon's pool.
+
+Built by the scheduler-side manager, shipped by vLLM inside the connector metadata to every
+worker process unchanged, so it is small and picklable. ``slots[i]`` and ``gens[i]`` belong to
+the job's i-th key; vLLM lists keys in the order of the job's GPU blocks (group by group, one
+block per key). A slot of -1 means "nothing to copy for this block" (a store the plugin could
+not place). ``gens`` are the slots' writer generations as the manager saw them: a worker that
+finds a slot handed to another writer fails the load instead of using the bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.v1.kv_offload.base import LoadStoreSpec  # type: ignore[import-untyped]
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """The daemon's pool as this engine is registered with it."""
+
+    daemon_id: str
+    pool_path: str
+    pool_bytes: int
+    slot_bytes: int  # one pool slot: every rank's page of one key
+    rank_bytes: int
+    index_path: str = ""  # the shared index whose generations prove a load intact
+
+
+class PoolSlotsSpec(LoadStoreSpec):  # type: ignore[misc]
+    def __init__(self, slots: list[int], pool: PoolInfo | None, gens: list[int] | None = None,
+                 req_id: str | None = None) -> None:
+        self.slots = slots
+        self.pool = pool
+        self.gens = gens if gens is not None else [0] * len(slots)
+        self.req_id = req_id  # loads: the request a failed copy is reported for
+
+    def __repr__(self) -> str:
+        return f"PoolSlotsSpec(slots={self.slots}, gens={self.gens})"
