@@ -306,7 +306,7 @@ async def test_bind_mode_for_connecting_publishers(registry: CollectorRegistry) 
     async with sub:
         endpoint = sub.bound_endpoint
         assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith("*")
-        async with EventPublisher(endpoint, registry=registry) as pub:  # no wildcard: connects
+        async with EventPublisher(f"connect:{endpoint}", registry=registry) as pub:
             await prime(pub, sub)
             pub.publish(batch(3))
             item = await sub.recv(5)
