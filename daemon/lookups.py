@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from kvoffload.daemon import lookup as lk
 from kvoffload.daemon import protocol as p
@@ -28,11 +29,25 @@ from kvoffload.daemon.types import KeyStatus
 MAX_WAIT_MS = 60_000
 # Hashes one query may carry: 2M tokens at 16 tokens per hash. A query is one unit of work
 # on the loop (the pure lookup cannot yield), so this bounds the longest stall one query can
-# cause (~0.3 s for a Mamba-only miss, which probes every chunk).
+# cause when it is not scanned in a thread (with a tier configured).
 MAX_QUERY_HASHES = 1 << 17
 # A message whose queries hold more hashes than this is answered in slices of about this
 # many hashes, yielding to the loop in between (other clients, /healthz, timers).
 SLICE_HASHES = 16_384
+# A query this long is scanned in a worker thread: one query cannot be split, and a
+# Mamba-only miss probes every chunk (~5 us each on the loop).
+THREAD_HASHES = 8192
+
+
+@dataclass(slots=True)
+class _Scan:
+    """What the pure lookup found for one query, before pins and decisions."""
+
+    out: lk.LookupOutcome
+    hits: list[bytes]
+    pending: list[bytes]
+    misses: list[bytes]
+    in_tiers: set[bytes]
 
 
 class LookupHandler:
@@ -77,6 +92,11 @@ class LookupHandler:
 
     def _lookup_one(self, client: ClientState, ns: Namespace, q: p.LookupQuery,
                     pin: bool) -> tuple[p.LookupAnswer, list[bytes]]:
+        return self._conclude(client, ns, q, self._scan(ns, q), pin)
+
+    def _scan(self, ns: Namespace, q: p.LookupQuery) -> _Scan:
+        """The pure lookup against the index: reads only, so it may run in a worker thread
+        (no tiers then: their peek is the loop's)."""
         hits: list[bytes] = []
         pending: list[bytes] = []
         misses: list[bytes] = []
@@ -105,6 +125,19 @@ class LookupHandler:
                             probe)
         except ValueError as exc:  # hashes that cannot cover the request, and the like
             raise _bad(f"request {q.req_id!r}: {exc}") from None
+        return _Scan(out, hits, pending, misses, in_tiers)
+
+    def _still_valid(self, ns: Namespace, scan: _Scan) -> bool:
+        """A scan made off the loop still holds if every key its hit loads is READY now (a
+        key that arrived meanwhile only makes the answer shorter than it could be)."""
+        ready = self.index.ready_slot
+        return all(ready(ns, k) is not None for k in scan.out.load_keys)
+
+    def _conclude(self, client: ClientState, ns: Namespace, q: p.LookupQuery, scan: _Scan,
+                  pin: bool) -> tuple[p.LookupAnswer, list[bytes]]:
+        """Promotions, tail decisions, miss reasons and pins: on the loop."""
+        out, hits, pending, misses = scan.out, scan.hits, scan.pending, scan.misses
+        tiers, in_tiers, hashes = self.tiers, scan.in_tiers, q.hashes()
         if tiers is not None and out.hit_tokens is None:
             # Promote only what the deferred answer waits for: a tail probed above a chunk hit
             # that is answered anyway would cost a pool slot (an eviction) and a read for
@@ -212,7 +245,7 @@ class LookupHandler:
         for q in msg.queries:
             self._validate_query(ns, q)
         started = time.perf_counter()
-        if len(msg.queries) > 1 and sum(len(q.hashes()) for q in msg.queries) > SLICE_HASHES:
+        if sum(len(q.hashes()) for q in msg.queries) > SLICE_HASHES:
             return self._lookup_sliced(client, msg, ns, started)
         answers, waits = self._lookup_all(client, msg, ns, msg.wait_ms <= 0, started)
         self.metrics.lookup_seconds.observe(time.perf_counter() - started)
@@ -220,28 +253,43 @@ class LookupHandler:
             return p.LookupReply(rid=msg.rid, answers=answers)
         return self._lookup_waiting(client, msg, ns, answers, waits, started)
 
-    async def _lookup_sliced(self, client: ClientState, msg: p.Lookup, ns: Namespace,
-                             started: float) -> p._Msg:
-        """A big message in slices of about SLICE_HASHES hashes, yielding between slices.
+    async def _lookup_all_async(self, client: ClientState, msg: p.Lookup, ns: Namespace,
+                                final: bool, started: float
+                                ) -> tuple[list[p.LookupAnswer], list[bytes]]:
+        """``_lookup_all`` for big messages: never more than about SLICE_HASHES hashes of
+        work on the loop between two yields.
 
-        Each query is still answered in one piece (its pins taken at once), so a slice
-        boundary changes nothing a query sees; other clients run in between."""
+        Small queries are answered on the loop in slices; a query of THREAD_HASHES or more
+        is scanned in a worker thread (the loop keeps running meanwhile, sharing the GIL) and
+        concluded on the loop, re-scanned there only if a key its hit loads left meanwhile.
+        Each query is still answered in one piece (its pins taken at once)."""
         answers: list[p.LookupAnswer] = []
         waits: list[bytes] = []
-        queries = msg.queries
-        i = 0
-        while i < len(queries):
-            j, budget = i, 0
-            while j < len(queries) and (j == i or budget < SLICE_HASHES):
-                budget += len(queries[j].hashes())
-                j += 1
-            part = p.Lookup(rid=msg.rid, engine=msg.engine, pin=msg.pin, queries=queries[i:j])
-            got, deferred = self._lookup_all(client, part, ns, msg.wait_ms <= 0, started)
-            answers.extend(got)
+        budget = 0
+        for q in msg.queries:
+            n = len(q.hashes())
+            if n >= THREAD_HASHES and self.tiers is None:
+                scan = await asyncio.to_thread(self._scan, ns, q)
+                if not self._still_valid(ns, scan):
+                    scan = self._scan(ns, q)
+                a, deferred = self._conclude(client, ns, q, scan, msg.pin)
+                budget = 0
+            else:
+                if budget + n > SLICE_HASHES:
+                    await asyncio.sleep(0)
+                    budget = 0
+                a, deferred = self._lookup_one(client, ns, q, msg.pin)
+                budget += n
+            answers.append(a)
             waits.extend(deferred)
-            i = j
-            if i < len(queries):
-                await asyncio.sleep(0)
+            if final or a.hit_tokens is not None:
+                self._report(ns, q, a, started)
+        return answers, waits
+
+    async def _lookup_sliced(self, client: ClientState, msg: p.Lookup, ns: Namespace,
+                             started: float) -> p._Msg:
+        answers, waits = await self._lookup_all_async(client, msg, ns, msg.wait_ms <= 0,
+                                                      started)
         self.metrics.lookup_seconds.observe(time.perf_counter() - started)
         if not waits or msg.wait_ms <= 0:
             return p.LookupReply(rid=msg.rid, answers=answers)
@@ -289,7 +337,7 @@ class LookupHandler:
                             queries=[q for q, a in zip(msg.queries, answers, strict=True)
                                      if a.hit_tokens is None])
             final = time.monotonic() >= deadline or self.draining
-            new_answers, waits = self._lookup_all(client, redo, ns, final, started)
+            new_answers, waits = await self._lookup_all_async(client, redo, ns, final, started)
             by_id = {a.req_id: a for a in new_answers}
             answers = [by_id.get(a.req_id, a) if a.hit_tokens is None else a for a in answers]
             if not waits:

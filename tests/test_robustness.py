@@ -28,9 +28,9 @@ import zmq
 from kvoffload.bench.load import metric_sum, scrape_metrics
 from kvoffload.connector.client import DaemonClient
 from kvoffload.daemon import protocol as p
-from kvoffload.daemon.lookups import MAX_QUERY_HASHES
+from kvoffload.daemon.lookups import MAX_QUERY_HASHES, THREAD_HASHES
 from kvoffload.daemon.loop_health import MAX_PARKED_PER_CLIENT
-from kvoffload.daemon.types import make_key
+from kvoffload.daemon.types import Geometry, GroupKind, GroupSpec, make_key
 
 from tests.daemon_helpers import DaemonHandle, run_daemon
 from tests.test_daemon_server import EXAMPLE, H, query
@@ -192,6 +192,46 @@ def test_many_queries_in_slices_answer_like_one_pass(daemon: DaemonHandle) -> No
     answers = c.lookup(queries)
     assert [a.req_id for a in answers] == [q.req_id for q in queries]
     assert [a.hit_tokens for a in answers] == [0] * 10 + [16] + [0] * 10
+    c.close()
+
+
+MAMBA = Geometry(namespace="mamba-only", groups=(
+    GroupSpec(kind=GroupKind.MAMBA, tokens_per_block=16, bytes_per_block=256),),
+    tokens_per_hash=16)
+
+
+def test_long_queries_are_scanned_off_the_loop_and_answer_the_same(
+        daemon: DaemonHandle) -> None:
+    """A Mamba-only miss probes every chunk: 16 queries of 65,536 hashes (a 32 MiB message)
+    take seconds of lookup work, yet /healthz answers while they run; and a long query
+    that hits answers exactly like a short one."""
+    c = DaemonClient(daemon.control, timeout_ms=120_000)
+    c.register(MAMBA)
+    n = THREAD_HASHES + 100
+    hashes = [os.urandom(32) for _ in range(n)]
+    key = make_key(hashes[n // 2], 0)  # the Mamba state at token 16 * (n/2 + 1)
+    assert c.prepare_store([p.StoreItem(key=key, end_token=16 * (n // 2 + 1))]).slots[0] >= 0
+    c.commit_store([key])
+    long_q = p.LookupQuery(req_id="long", block_hashes=hashes, num_tokens=16 * n + 1,
+                           num_prompt_tokens=16 * n + 1)
+    short = p.LookupQuery(req_id="short", block_hashes=hashes[:n // 2 + 1],
+                          num_tokens=16 * (n // 2 + 1) + 1,
+                          num_prompt_tokens=16 * (n // 2 + 1) + 1)
+    got = c.lookup([long_q])[0]
+    assert got.hit_tokens == 16 * (n // 2 + 1) == c.lookup([short])[0].hit_tokens
+    assert got.load_keys == [key]
+    raw = Raw(daemon.control)
+    engine = raw.call(p.Register(rid=2, geometry=MAMBA)).engine  # type: ignore[attr-defined]
+    big = [p.LookupQuery(req_id=f"q{i}", hash_blob=os.urandom(32 * 65_536), hash_bytes=32,
+                         num_tokens=16 * 65_536 + 1, num_prompt_tokens=16 * 65_536 + 1)
+           for i in range(16)]
+    raw.send(p.Lookup(rid=77, engine=engine, queries=big))
+    with urllib.request.urlopen(f"{daemon.http_url}/healthz", timeout=60) as resp:
+        assert resp.status == 200
+    assert not raw.sock.poll(0)  # answered while the big lookup was still being worked out
+    reply = raw.recv(120_000)
+    assert isinstance(reply, p.LookupReply) and [a.hit_tokens for a in reply.answers] == [0] * 16
+    raw.close()
     c.close()
 
 
