@@ -98,14 +98,16 @@ class EventPublisher:
         self._topic = topic.encode("utf-8")
         self._queue: deque[Any] = deque()
         self._queue_size = queue_size
-        # (seq, seq frame, payload, events in it); bounded by the three limits below.
-        self._buffer: deque[tuple[int, bytes, bytes, int]] = deque()
+        # (seq, payload, events in it); bounded by the three limits below. The seq frame is
+        # packed again on replay: one object less kept per batch.
+        self._buffer: deque[tuple[int, bytes, int]] = deque()
         self._buffer_batches = buffer_batches
         self._buffer_events = max(1, buffer_events)
         self._buffer_bytes = max(1, buffer_bytes)
         self._buffered_events = 0
         self._buffered_bytes = 0
         self._max_batch_events = max(1, max_batch_events)
+        self._coalesce = self._max_batch_events > 1
         self._open: list[Any] = []  # bare events not yet sealed into a batch
         self._encoder = msgspec.msgpack.Encoder()
         self._encode: Callable[[Any], bytes] = encode or self._encoder.encode
@@ -260,7 +262,7 @@ class EventPublisher:
         if len(self._queue) >= self._queue_size:
             self._drop("queue_full")
             return False
-        if self._max_batch_events > 1 and isinstance(item, KVCacheEvent):
+        if self._coalesce and isinstance(item, KVCacheEvent):
             # Coalesce: sealed into one batch when the sender runs (or when full).
             self._open.append(item)
             if len(self._open) >= self._max_batch_events:
@@ -271,7 +273,8 @@ class EventPublisher:
             except Exception:  # a producer bug must not take the producer down
                 self._drop("invalid")
                 return False
-            self._seal()  # keep order: events published before this batch go first
+            if self._open:
+                self._seal()  # keep order: events published before this batch go first
             self._queue.append(batch)
         if not self._scheduled and self._loop is not None:
             self._schedule()
@@ -315,7 +318,8 @@ class EventPublisher:
             self._schedule()  # yield to the loop between chunks
 
     def _drain_chunk(self, limit: int) -> None:
-        self._seal()
+        if self._open:
+            self._seal()
         q = self._queue
         n = min(len(q), limit)
         if n == 0:
@@ -328,7 +332,8 @@ class EventPublisher:
         topic = self._topic
         live_filter = self._live_filter
         seq = self._seq
-        sent = events = kept_events = kept_bytes = 0
+        unsent = unsent_events = kept_events = kept_bytes = 0
+        start = seq
         for _ in range(n):
             batch = popleft()
             try:
@@ -343,22 +348,27 @@ class EventPublisher:
                     send(topic, _SNDMORE_NB)
                     send(seq_bytes, _SNDMORE_NB)
                     send(payload, zmq.NOBLOCK)
-                    sent += 1
-                    events += count
                 except zmq.ZMQError:
                     self._drop("send_error")  # still buffered below: replay can deliver it
-            keep((seq, seq_bytes, payload, count))
+                    unsent += 1
+                    unsent_events += count
+            else:
+                unsent += 1
+                unsent_events += count
+            keep((seq, payload, count))
             kept_events += count
             kept_bytes += len(payload)
             seq += 1
         self._seq = seq
         self._buffered_events += kept_events
         self._buffered_bytes += kept_bytes
-        self._trim()
-        if sent:
-            self._m_batches.inc(sent)
-        if events:
-            self._m_events.inc(events)
+        if self._buffered_events > self._buffer_events or \
+                self._buffered_bytes > self._buffer_bytes or self._buffer_batches is not None:
+            self._trim()
+        if seq - start - unsent:
+            self._m_batches.inc(seq - start - unsent)
+        if kept_events - unsent_events:
+            self._m_events.inc(kept_events - unsent_events)
 
     def _trim(self) -> None:
         """Drop the oldest batches beyond the buffer's event, byte and batch bounds.
@@ -370,7 +380,7 @@ class EventPublisher:
         while buf and (len(buf) > cap or (len(buf) > 1 and (
                 self._buffered_events > self._buffer_events
                 or self._buffered_bytes > self._buffer_bytes))):
-            _, _, payload, count = buf.popleft()
+            _, payload, count = buf.popleft()
             self._buffered_events -= count
             self._buffered_bytes -= len(payload)
 
@@ -403,7 +413,9 @@ class EventPublisher:
         router = self._router
         assert router is not None
         topic = self._topic
-        for i, (_, seq_bytes, payload, _n) in enumerate(snapshot, 1):
+        pack = SEQ.pack
+        for i, (seq, payload, _n) in enumerate(snapshot, 1):
+            seq_bytes = pack(seq)
             # ROUTER without ROUTER_MANDATORY drops (never blocks) for a vanished client.
             router.send_multipart((client, b"", topic, seq_bytes, payload), zmq.NOBLOCK)
             if i % _REPLAY_CHUNK == 0:
