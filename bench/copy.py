@@ -101,7 +101,8 @@ def _jobs(items: int, num_blocks: int, shuffled: bool, seed: int
 
 
 def _one_page(name: str, page: int, layers: int, job_bytes: int, reps: int,
-              dev: torch.device) -> dict[str, Any]:
+              dev: torch.device, backend: str = "auto", pin: bool | None = None
+              ) -> dict[str, Any]:
     block = layers * page
     items = max(2, job_bytes // block)
     num_blocks = 2 * items + 8
@@ -129,8 +130,8 @@ def _one_page(name: str, page: int, layers: int, job_bytes: int, reps: int,
     times: dict[str, list[float]] = {}
     try:
         # Pre-faulted as the daemon and the worker's MappingTask leave it.
-        mapping = PoolMapping(path, num_slots * block, populate=True)
-        copier = BlockCopier(mapping, layout, 0, 1, block, dev)
+        mapping = PoolMapping(path, num_slots * block, populate=True, pin=pin)
+        copier = BlockCopier(mapping, layout, 0, 1, block, dev, cuda_backend=backend)
         patterns = {p: _jobs(items, num_blocks, p == "shuffled", page)
                     for p in ("contiguous", "shuffled")}
         job_id = 0
@@ -182,17 +183,25 @@ def _one_page(name: str, page: int, layers: int, job_bytes: int, reps: int,
             "pinned": pinned, "cuda_backend": backend}
 
 
-def run_copy_bench(quick: bool = True, device: str | None = None,
-                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def _device(device: str | None) -> torch.device:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def run_copy_bench(quick: bool = True, device: str | None = None,
+                   progress: Callable[[str], None] | None = None, *, backend: str = "auto",
+                   pin: bool | None = None) -> dict[str, Any]:
+    """``backend`` (CUDA: auto, batch, index, rows) and ``pin`` (None: pinned where CUDA is)
+    pick the GPU variants scripts/gpu_check.sh compares."""
+    dev = _device(device)
     layers, job_bytes, reps = (8, 48 << 20, 5) if quick else (16, 96 << 20, 9)
     results = []
     for name, page in PAGES.items():
         if progress is not None:
             progress(f"pages of {name}")
-        results.append(_one_page(name, page, layers, job_bytes, reps, dev))
+        results.append(_one_page(name, page, layers, job_bytes, reps, dev, backend, pin))
     worst = min(r["worst"] for r in results)
     target = 0.9 if dev.type == "cuda" else 0.8
     return {
@@ -210,12 +219,135 @@ def run_copy_bench(quick: bool = True, device: str | None = None,
     }
 
 
+def run_expedited_latency(device: str | None = None, quick: bool = True) -> dict[str, Any]:
+    """Latency of a one-block load submitted while a large store is in flight: regular and
+    expedited, against the same load on an idle copier. On CUDA the store is a real 1-2 GiB
+    device-to-pinned-host copy; the loads must not wait for it (own streams)."""
+    dev = _device(device)
+    layers, page = 8, 256 << 10
+    block = layers * page
+    big = (64 if quick else 256) if dev.type == "cuda" else 16  # blocks in the long store
+    num_blocks = big + 16
+    layout = _layout(layers, num_blocks, page, dev)
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="kvoffload-bench-exp-", dir=folder)
+    os.close(fd)
+    os.truncate(path, (big + 8) * block)
+    samples: dict[str, list[float]] = {}
+    try:
+        mapping = PoolMapping(path, (big + 8) * block, populate=True)
+        copier = BlockCopier(mapping, layout, 0, 1, block, dev)
+        store_items = [(0, i, i) for i in range(big)]
+        job = 0
+        for rep in range(11 if quick else 31):
+            for case in ("idle", "behind store: regular", "behind store: expedited"):
+                job += 2
+                busy = case != "idle"
+                if busy:
+                    copier.submit_store(job, store_items)
+                t0 = time.perf_counter()
+                copier.submit_load(job + 1, [(0, big + 1 + rep % 8, big + rep % 8)],
+                                   expedited=case.endswith("expedited"))
+                copier.wait([job + 1])
+                t = time.perf_counter() - t0
+                copier.wait([job])
+                if not all(r.ok for r in copier.get_finished()):
+                    raise RuntimeError("copy failed")
+                if rep:
+                    samples.setdefault(case, []).append(t)
+        copier.close()
+        mapping.close()
+    finally:
+        os.unlink(path)
+    p50 = {k: round(statistics.median(v) * 1e3, 3) for k, v in samples.items()}
+    return {"device": str(dev), "store_bytes": big * block, "load_bytes": block,
+            "p50_ms": p50, "samples": len(next(iter(samples.values())))}
+
+
+def _rank_proc(rank: int, world: int, path: str, size: int, slot_bytes: int, device: str,
+               out: Any) -> None:
+    """One rank of ``run_two_process_check``: maps (and pins) the shared pool itself, stores its
+    page of every slot, waits for the others through the file, loads it all back."""
+    try:
+        dev = _device(device)
+        slots = size // slot_bytes
+        page = slot_bytes // world // 2
+        gen = torch.Generator().manual_seed(rank)
+        kv = torch.randint(-128, 128, (2, 2 * slots, page), dtype=torch.int8, generator=gen)
+        kv = kv.to(dev)
+        layout = KVLayout([kv[0], kv[1]], [[(0, 0, page), (1, 0, page)]])
+        with PoolMapping(path, size) as mapping:
+            with BlockCopier(mapping, layout, rank, world, slot_bytes, dev) as copier:
+                copier.submit_store(1, [(0, s, s) for s in range(slots)])
+                copier.wait([1])
+                stored = copier.get_finished()
+                before = kv[:, :slots].clone()
+                kv.zero_()
+                copier.submit_load(2, [(0, slots + s, s) for s in range(slots)])
+                copier.wait([2])
+                loaded = copier.get_finished()
+                _sync(dev)
+                ok = bool(torch.equal(kv[:, slots:], before))
+            out.put((rank, {"pinned": mapping.pinned, "ok": ok and all(
+                r.ok for r in stored + loaded), "backend": copier.cuda_backend,
+                "digest": int(before.to(torch.int64).sum())}))
+    except BaseException as exc:
+        out.put((rank, {"error": repr(exc)}))
+
+
+def run_two_process_check(device: str | None = None, world: int = 2) -> dict[str, Any]:
+    """``world`` processes share one pool file (each registers it with CUDA itself): every
+    rank stores its page of every slot and loads it back; the parent checks the file holds
+    every rank's bytes in its own page."""
+    import multiprocessing as mp
+
+    dev = _device(device)
+    slot_bytes, slots = world * 2 * (256 << 10), 64
+    size = slot_bytes * slots
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="kvoffload-bench-2p-", dir=folder)
+    os.close(fd)
+    os.truncate(path, size)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_proc, args=(r, world, path, size, slot_bytes, str(dev),
+                                                  out)) for r in range(world)]
+    try:
+        for proc in procs:
+            proc.start()
+        results = dict(out.get(timeout=300) for _ in procs)
+        for proc in procs:
+            proc.join(60)
+        pool = np.fromfile(path, dtype=np.int8).reshape(slots, world, -1)
+        # Each rank's pages hold its own bytes: their sums match what each rank stored.
+        sums = {r: int(pool[:, r].sum(dtype=np.int64)) for r in range(world)}
+    finally:
+        os.unlink(path)
+    ok = all(res.get("ok") for res in results.values()) and all(
+        sums[r] == results[r].get("digest") for r in range(world))
+    return {"device": str(dev), "world": world, "ranks": results, "meets": ok}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="kvoffload block copy benchmark")
     parser.add_argument("--full", action="store_true", help="larger run (default: quick)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "batch", "index", "rows"],
+                        help="CUDA copy path (default: the best available)")
+    parser.add_argument("--pageable", action="store_true", help="do not pin the pool (CUDA)")
+    parser.add_argument("--expedited", action="store_true",
+                        help="expedited-load latency with and without a long store in flight")
+    parser.add_argument("--processes", type=int, default=0,
+                        help="N processes storing and loading their rank pages of one pool")
     args = parser.parse_args()
-    print(json.dumps(run_copy_bench(quick=not args.full, device=args.device), indent=2))
+    if args.processes:
+        out = run_two_process_check(device=args.device, world=args.processes)
+    elif args.expedited:
+        out = run_expedited_latency(device=args.device, quick=not args.full)
+    else:
+        out = run_copy_bench(quick=not args.full, device=args.device, backend=args.backend,
+                             pin=False if args.pageable else None)
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

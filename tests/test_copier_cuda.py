@@ -1,4 +1,6 @@
-"""BlockCopier's CUDA stream path: real bytes between GPU KV tensors and a pinned /dev/shm pool.
+"""BlockCopier's CUDA stream path: real bytes between GPU KV tensors and a pinned /dev/shm pool,
+through each copy backend (one cuMemcpyBatchAsync per job, device gathers, per-row copies),
+plus the expedited stream and a pageable pool.
 
 Self-contained on purpose: it needs only torch (pytest optional, see the end of the file) and
 the kvoffload sources, so scripts/gpu_check.sh can run it on a bare GPU box.
@@ -10,9 +12,11 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-from kvoffload.connector.copier import BlockCopier, CopyResult, KVLayout, PoolMapping
+from kvoffload.connector.copier import STORE, BlockCopier, CopyResult, KVLayout, PoolMapping
+from kvoffload.connector.copy_cuda import BatchMemcpy
 
 try:
     import pytest
@@ -31,13 +35,21 @@ NUM_SLOTS = 32
 SENTINEL = 0x5A
 
 
+def backends() -> list[str]:
+    """The copy paths this box can run (batch needs a CUDA 12.8+ driver)."""
+    return (["batch"] if BatchMemcpy.load() is not None else []) + ["index", "rows"]
+
+
+BACKENDS = backends() if torch.cuda.is_available() else []
+
+
 @contextlib.contextmanager
-def pool(size: int = SLOT_BYTES * NUM_SLOTS) -> Iterator[PoolMapping]:
+def pool(size: int = SLOT_BYTES * NUM_SLOTS, pin: bool | None = None) -> Iterator[PoolMapping]:
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
     fd, path = tempfile.mkstemp(prefix="kvoffload-cuda-test-", dir=folder)
     os.write(fd, bytes([SENTINEL]) * size)
     os.close(fd)
-    mapping = PoolMapping(path, size)
+    mapping = PoolMapping(path, size, pin=pin)
     try:
         yield mapping
     finally:
@@ -82,12 +94,18 @@ def run(
     return results[0]
 
 
-def test_pinned_round_trip_every_group() -> None:
+def _params(name: str) -> Any:
+    return pytest.mark.parametrize(name, BACKENDS) if "pytest" in globals() else (lambda f: f)
+
+
+@_params("backend")
+def test_pinned_round_trip_every_group(backend: str, pin: bool | None = None) -> None:
     src = make_layout(1)
     items = [(0, 3, 4), (0, 4, 5), (0, 5, 6), (0, 40, 1), (1, 10, 0), (1, 11, 20), (1, 63, 31)]
-    with pool() as m:
-        assert m.pinned
-        with BlockCopier(m, src, 0, 1, SLOT_BYTES) as w:
+    with pool(pin=pin) as m:
+        assert m.pinned is (pin is not False)
+        with BlockCopier(m, src, 0, 1, SLOT_BYTES, cuda_backend=backend) as w:
+            assert w.cuda_backend == backend
             res = run(w, 1, True, items)
             assert res.ok and res.seconds > 0
             assert (
@@ -100,18 +118,23 @@ def test_pinned_round_trip_every_group() -> None:
             assert bool((slots[s, n:] == SENTINEL).all())
         dst = zeros_like(src)
         loads = [(g, (b + 7) % NUM_BLOCKS, s) for g, b, s in items]
-        with BlockCopier(m, dst, 0, 1, SLOT_BYTES) as r:
+        with BlockCopier(m, dst, 0, 1, SLOT_BYTES, cuda_backend=backend) as r:
             assert run(r, 2, False, loads).ok
         torch.cuda.synchronize()
         for (g, b, _), (_, b2, _) in zip(items, loads, strict=True):
             assert torch.equal(block_bytes(dst, g, b2), block_bytes(src, g, b))
 
 
-def test_contiguous_runs_one_copy() -> None:
+def test_pageable_pool_round_trip() -> None:
+    test_pinned_round_trip_every_group(BACKENDS[0], pin=False)
+
+
+@_params("backend")
+def test_contiguous_runs_one_copy(backend: str) -> None:
     """One tensor whose page fills the whole slot: a run is contiguous on both sides."""
     kv = torch.randint(-128, 128, (NUM_BLOCKS, SLOT_BYTES), dtype=torch.int8, device="cuda")
     layout = KVLayout([kv], [[(0, 0, SLOT_BYTES)]])
-    with pool() as m, BlockCopier(m, layout, 0, 1, SLOT_BYTES) as w:
+    with pool() as m, BlockCopier(m, layout, 0, 1, SLOT_BYTES, cuda_backend=backend) as w:
         assert run(w, 1, True, [(0, b, b - 10) for b in range(10, 30)]).ok
         assert torch.equal(m.slot_view(SLOT_BYTES)[0:20], kv[10:30].cpu())
         kv[40:60].zero_()
@@ -119,10 +142,11 @@ def test_contiguous_runs_one_copy() -> None:
         assert torch.equal(kv[40:60], kv[10:30])
 
 
-def test_store_waits_for_compute_stream() -> None:
+@_params("backend")
+def test_store_waits_for_compute_stream(backend: str) -> None:
     """A store submitted right after the compute stream writes the block must see the write."""
     src = make_layout(2)
-    with pool() as m, BlockCopier(m, src, 0, 1, SLOT_BYTES) as w:
+    with pool() as m, BlockCopier(m, src, 0, 1, SLOT_BYTES, cuda_backend=backend) as w:
         for attempt in range(3):
             torch.cuda._sleep(50_000_000)  # keep the compute stream busy (~tens of ms)
             src.tensors[0][5].fill_(attempt + 1)  # queued behind the sleep
@@ -151,10 +175,31 @@ def test_tp2_rank_pages_and_bad_job() -> None:
             w.close()
 
 
+@_params("backend")
+def test_expedited_load_not_behind_a_store(backend: str) -> None:
+    """The store stream is held up (a long sleep kernel queued on it): a store job waits behind
+    it, an expedited load and a regular load complete anyway."""
+    src = make_layout(3)
+    with pool() as m, BlockCopier(m, src, 0, 1, SLOT_BYTES, cuda_backend=backend) as w:
+        assert run(w, 1, True, [(0, 2, 2), (0, 3, 3)]).ok
+        with torch.cuda.stream(w._streams[STORE]):
+            torch.cuda._sleep(2_000_000_000)  # about a second of GPU clocks
+        w.submit_store(2, [(0, 4, 4)])
+        w.submit_load(3, [(0, 50, 2)], expedited=True)
+        w.submit_load(4, [(0, 51, 3)])
+        w.wait([3, 4])
+        done = {r.job_id: r.ok for r in w.get_finished()}
+        assert done == {3: True, 4: True}, done  # the store (2) is still queued
+        w.wait([2])
+        assert [(r.job_id, r.ok) for r in w.get_finished()] == [(2, True)]
+        assert torch.equal(block_bytes(src, 0, 50), block_bytes(src, 0, 2))
+
+
 if __name__ == "__main__":  # for a GPU box without pytest
     if not torch.cuda.is_available():
         raise SystemExit("CUDA not available")
     for name, fn in sorted(globals().items()):
         if name.startswith("test_") and callable(fn):
-            fn()
-            print("PASSED", name)
+            for backend in BACKENDS if "backend" in fn.__code__.co_varnames else [None]:
+                fn(*(() if backend is None else (backend,)))
+                print("PASSED", name, backend or "")
