@@ -36,6 +36,7 @@ logger = logging.getLogger("kvoffload.connector")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # cudaHostRegister of one huge range can hit driver limits; register in chunks of this size.
 _REGISTER_CHUNK_BYTES = 64 * 1024**3
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 _unpinned_logged = False
 
@@ -137,7 +138,8 @@ class PoolMapping:
         base = self.tensor.data_ptr()
         for offset in range(0, self.size, _REGISTER_CHUNK_BYTES):
             length = min(_REGISTER_CHUNK_BYTES, self.size - offset)
-            err = cudart.cudaHostRegister(base + offset, length, 0)
+            # Portable: pinned for every CUDA context of the process, not only this thread's.
+            err = cudart.cudaHostRegister(base + offset, length, _HOST_REGISTER_PORTABLE)
             if int(err) != 0:
                 logger.warning(
                     "cudaHostRegister failed (error %d) at offset %d of %s; pool stays pageable",
@@ -210,8 +212,15 @@ class MappingTask:
     """
 
     def __init__(self, path: str, size: int | None = None, *, pin: bool | None = None,
-                 populate: bool = True, registry: Any = None, label: str = "") -> None:
+                 populate: bool = True, registry: Any = None, label: str = "",
+                 device: torch.device | str | None = None) -> None:
         self.path = path
+        # cudaHostRegister runs in this task's thread, whose current device would be 0: make
+        # it the engine's device (else every rank would create a context on GPU 0).
+        dev = torch.device(device) if device is not None else None
+        if dev is None and pin is not False and torch.cuda.is_available():
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self._device = dev if dev is not None and dev.type == "cuda" else None
         self.size = size
         self.seconds: float | None = None
         self._kwargs: dict[str, Any] = {"pin": pin, "populate": populate, "registry": registry}
@@ -226,6 +235,8 @@ class MappingTask:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
+            if self._device is not None:
+                torch.cuda.set_device(self._device)
             size = self.size if self.size is not None else os.stat(self.path).st_size
             self._mapping = PoolMapping(self.path, size, **self._kwargs)
         except BaseException as exc:  # handed to whoever waits, never lost in this thread
