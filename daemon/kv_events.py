@@ -31,7 +31,6 @@ reject batches holding unknown event types, so the two streams never mix.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from array import array
@@ -42,9 +41,15 @@ import msgspec
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.engine_streams import DEFAULT_MAX_TOKENS, EngineStreams
 from kvoffload.daemon.index import Namespace
+from kvoffload.daemon.kv_event_views import (  # event_options: server.py's entry point
+    EngineView,
+    EngineViews,
+    LookupEvents,
+    event_options,
+)
 from kvoffload.daemon.types import key_group, key_hash
 from kvoffload.events.hub import HubPublisher, StoredRecord
-from kvoffload.events.profiles import Profile, ViewSpec, make_profile, parse_view_spec
+from kvoffload.events.profiles import Profile, make_profile, parse_view_spec
 from kvoffload.events.publisher import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_BUFFER_EVENTS,
@@ -57,12 +62,13 @@ from kvoffload.events.schema import (
     BlockStored,
     EventBatch,
     KVEvent,
-    LookupEvent,
     encode_batch,
     encode_batch_positional,
     hash_to_int,
 )
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+__all__ = ["DaemonEvents", "EngineView", "event_options"]
 
 log = logging.getLogger("kvoffload.daemon")
 
@@ -71,29 +77,7 @@ RECENTLY_EVICTED = 65_536
 QUIET_KEYS = 1 << 18  # (hashes, group) of stores a profile suppressed, for their removals
 
 
-@dataclasses.dataclass(slots=True)
-class EngineView:
-    """One per-engine publisher: our events stamped with `spec.rank` (+ an engine's GPU)."""
-
-    spec: ViewSpec
-    pub: EventPublisher
-
-
-def event_options(config: Any) -> dict[str, Any]:
-    """DaemonEvents keyword arguments from the daemon's Config (one place for server.py)."""
-    from kvoffload.events.profiles import format_topic
-
-    profile = make_profile(config.events_profile, tails=config.events_tails,
-                           ownership=config.events_ownership or None,
-                           topic=config.events_topic)
-    topic = format_topic(profile.topic, node=config.events_node, model=config.events_model)
-    return {"profile": profile, "topic": topic, "batch_events": config.events_batch_events,
-            "buffer_events": config.events_buffer_events,
-            "buffer_bytes": config.events_buffer_bytes,
-            "engine_views": list(config.engine_views)}
-
-
-class DaemonEvents:
+class DaemonEvents(EngineViews, LookupEvents):
     def __init__(self, *, events: str | None, events_replay: str | None,
                  lookup_events: str | None, int_hashes: bool, registry: CollectorRegistry,
                  hwm: int = 100_000, buffer_batches: int = 10_000,
@@ -177,40 +161,6 @@ class DaemonEvents:
         for pub in (self.kv, self.lookups, self.hub, *(v.pub for v in self.views)):
             if pub is not None:
                 await pub.aclose(flush=True)
-
-    # -- per-engine views ---------------------------------------------------------------
-
-    _started = False
-
-    def _open_view(self, spec: ViewSpec) -> EngineView:
-        options = {**self._pub_options, "topic": spec.topic or self._pub_options["topic"]}
-        pub = EventPublisher(spec.endpoint, spec.replay, data_parallel_rank=spec.rank,
-                             stream=f"view-{spec.rank}", **options)
-        view = EngineView(spec, pub)
-        self.views.append(view)
-        return view
-
-    async def add_engine_view(self, spec: ViewSpec | str) -> EngineView:
-        """Open one more per-engine view now (the hook for Register); returns it bound.
-
-        The new view first announces every resident block of its namespace (records are
-        kept once a view exists; blocks stored before that, without a hub or disk tier,
-        are announced only when stored again), then carries the live events.
-        """
-        view = self._open_view(parse_view_spec(spec) if isinstance(spec, str) else spec)
-        if self._started:
-            await view.pub.start()
-        backlog = [rec.to_event() for rec in self._resident.values()
-                   if view.spec.namespace is None]
-        for ev in backlog:
-            view.pub.publish(ev)
-        return view
-
-    async def remove_engine_view(self, view: EngineView) -> None:
-        """Close a view (its engine left); routers see its stream end."""
-        if view in self.views:
-            self.views.remove(view)
-            await view.pub.aclose(flush=True)
 
     def _hash(self, h: bytes) -> Any:
         return hash_to_int(h) if self.int_hashes else h
@@ -490,37 +440,3 @@ class DaemonEvents:
         if self.enabled:
             self._emit(BlockRemoved(block_hashes=hashes, medium="STORAGE", group_idx=group,
                                     locality="LOCAL"))
-
-    # -- lookup events ----------------------------------------------------------------
-
-    def lookup(self, ns: Namespace, q: p.LookupQuery, a: p.LookupAnswer,
-               seconds: float | None = None) -> None:
-        if self.lookups is None:
-            return
-        hit = a.hit_tokens or 0
-        if a.hit_tokens is None:
-            outcome = "deferred"
-        elif hit == 0:
-            outcome = "miss"
-        else:
-            best = (q.num_prompt_tokens - 1) // ns.geometry.tokens_per_hash * \
-                ns.geometry.tokens_per_hash
-            outcome = "hit" if q.local_tokens + hit >= best else "partial"
-        chunk = min(a.chunk_tokens, hit)
-        self.lookups.publish(LookupEvent(
-            request_id=q.req_id, namespace=ns.geometry.namespace,
-            prompt_tokens=q.num_prompt_tokens, local_tokens=q.local_tokens, hit_tokens=hit,
-            chunk_hit_tokens=chunk, tail_hit_tokens=hit - chunk, tail_boundary=a.tail_boundary,
-            outcome=outcome,  # type: ignore[arg-type]
-            miss_reason=a.miss_reason if outcome != "hit" else None,
-            latency_us=None if seconds is None else int(seconds * 1e6),
-            group_outcomes=self._group_outcomes(ns.geometry, a)))
-
-    @staticmethod
-    def _group_outcomes(geometry: Any, a: p.LookupAnswer) -> list[str]:
-        out = ["miss"] * len(geometry.groups)
-        for keys, outcome in ((a.hit_keys, "hit"), (a.pending_keys, "pending")):
-            for key in keys:
-                with contextlib.suppress(ValueError):  # a group id this engine lacks
-                    out[geometry.group_pos(key)] = outcome
-        return out
