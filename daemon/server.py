@@ -233,12 +233,13 @@ class Server:
             raise StartupError(f"http {self.config.http}: cannot listen: {exc.strerror or exc}"
                                "; choose a free port with --http HOST:PORT (port 0 picks one)"
                                ) from None
-        # Engines of a previous daemon stop trusting its index before this one touches the pool.
-        supersede(index_path_for(self.pool.path))
         try:
             self.pool.open()
         except OSError as exc:
             raise StartupError(f"pool_path {self.pool.path}: {exc}") from None
+        # Ours now (the pool's lock is held): engines of a previous daemon stop trusting its
+        # index before this one hands out any slot.
+        supersede(index_path_for(self.pool.path))
         if self.config.slot_bytes:
             self.index.configure(self.config.slot_bytes)
         if self.config.state_dir:  # warm restart: rebuild and validate before any client

@@ -82,8 +82,10 @@ class DaemonHandle:
 
     def cleanup(self) -> None:
         self.kill()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.pool_path)
+        # A killed daemon leaves its pool and its shared index (and readers file) behind.
+        for path in (self.pool_path, f"{self.pool_path}.index", f"{self.pool_path}.index.readers"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 @contextlib.contextmanager

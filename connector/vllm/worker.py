@@ -79,7 +79,8 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         # Map, pre-fault and pin the pool now, off the step path, when its path is known
         # (kvoffload_pool_path); otherwise the first job maps it (and waits for it).
         self._task: MappingTask | None = (
-            MappingTask(pool_path, label=f" worker rank {rank}") if pool_path else None)
+            MappingTask(pool_path, label=f" worker rank {rank}", device=self.layout.device)
+            if pool_path else None)
 
     def _copier_for(self, pool: PoolInfo) -> BlockCopier | RefusedCopier:
         """The copier for ``pool``; never raises (a pool it cannot use fails every job)."""
@@ -99,7 +100,8 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             log.info("kvoffload worker rank %d: mapping pool %s (daemon %s)", self.rank,
                      pool.pool_path, pool.daemon_id)
             task = self._task = MappingTask(pool.pool_path, pool.pool_bytes,
-                                            label=f" worker rank {self.rank}")
+                                            label=f" worker rank {self.rank}",
+                                            device=self.layout.device)
         assert task is not None
         try:
             self._mapping = task.wait_ready()  # at once when mapped at creation
