@@ -6,7 +6,8 @@ subscribes to both views, registered at the engine's block size, one worker per 
 
 * every full-attention chunk the daemon's stream holds is in Dynamo's index, under both
   workers, with the DP rank of its view, in the host tier; nothing else is (no Mamba block, no
-  tail); with the disk tier the same holds for STORAGE blocks in Dynamo's disk tier;
+  tail); with the disk tier the same holds for STORAGE blocks in Dynamo's disk tier; engine
+  0's own GPU blocks (vLLM's publisher, merged into its view) are on worker 1 only;
 * a prefix query through the indexer's HTTP API matches, for every prompt of the run, the
   longest prefix of chunks the stream holds (computed from the workload's own hashes);
 * a listener registered after a 20k-event run recovers the whole index by replay, with no
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from kvoffload.bench.workload import PRESETS, block_hashes, chat_turns
 from kvoffload.events.schema import hash_to_int
 
@@ -58,8 +60,24 @@ def indexer(dynamo: Path) -> Iterator[DynamoIndexer]:
 
 
 def _views() -> list[str]:
-    return ["--engine-view", "rank=0,events=tcp://127.0.0.1:0,replay=tcp://127.0.0.1:0",
+    # Engine 0's view also carries that engine's own GPU stream (--engine-events #0).
+    return ["--engine-view", "rank=0,events=tcp://127.0.0.1:0,replay=tcp://127.0.0.1:0,engine=0",
             "--engine-view", "rank=1,events=tcp://127.0.0.1:0,replay=tcp://127.0.0.1:0"]
+
+
+@pytest.fixture
+def vllm_engine() -> Iterator[tuple[Any, Any]]:
+    """vLLM 0.33's own KV-event publisher, standing in for engine 0's GPU stream."""
+    import os
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    kv = pytest.importorskip("vllm.distributed.kv_events", reason="vLLM 0.33.0 is not installed")
+    pub = kv.ZmqEventPublisher(data_parallel_rank=0, endpoint="tcp://127.0.0.1:*",
+                               replay_endpoint="tcp://127.0.0.1:*")
+    try:
+        yield kv, pub
+    finally:
+        pub.shutdown()
 
 
 def _demo(control: str, preset: str, requests: int, seed: int = 0) -> dict[str, Any]:
@@ -95,9 +113,18 @@ def _expected_match(prompt: list[int], held: set[int], block: int, tph: int) -> 
 # A 1 MiB pool evicts (removals, and STORAGE events with the disk tier) during the run.
 @pytest.mark.parametrize("preset,requests,disk", [(HYBRID, 80, True), (ATTENTION, 60, False)])
 def test_dynamo_indexes_every_attention_chunk_under_each_engine(
-        tmp_path: Path, indexer: DynamoIndexer, preset: str, requests: int, disk: bool) -> None:
+        tmp_path: Path, indexer: DynamoIndexer, vllm_engine: tuple[Any, Any], preset: str,
+        requests: int, disk: bool) -> None:
     p = PRESETS[preset]
     extra = ["--disk-dir", str(tmp_path / "disk"), "--disk-bytes", "64MiB"] if disk else []
+    kv, engine = vllm_engine
+    gpu = [0x5EED0001, 0x5EED0002]  # two GPU blocks of engine 0 (other tokens than the run's)
+    engine.publish(kv.KVEventBatch(ts=time.time(), events=[kv.BlockStored(
+        block_hashes=gpu, parent_block_hash=None, token_ids=[7] * (2 * p.block_tokens),
+        block_size=p.block_tokens, lora_id=None, medium="GPU", lora_name=None, group_idx=0,
+        kv_cache_spec_kind="full_attention")]))
+    extra += ["--engine-events", f"{engine._pub.getsockopt_string(zmq.LAST_ENDPOINT)},"
+              f"{engine._replay.getsockopt_string(zmq.LAST_ENDPOINT)}"]
     with run_daemon(tmp_path, "--events-profile", "dynamo", "--events", "tcp://127.0.0.1:0",
                     "--events-replay", "tcp://127.0.0.1:0", *_views(), *extra,
                     pool_bytes=1 << 20) as d:
@@ -109,6 +136,7 @@ def test_dynamo_indexes_every_attention_chunk_under_each_engine(
         held, events, _, kinds = replay_state(d.ready["events_replay"])
         assert events > 0 and set(kinds) == {"full_attention"}  # no Mamba, anything else
         want = {(w, v["rank"], tier, h) for w, v in enumerate(views, 1) for tier, h in held}
+        want |= {(1, 0, "device", h) for h in gpu}  # engine 0's own blocks: its worker only
         got = _settle(indexer, want)
     assert got == want, (f"missing {len(want - got)}, extra {len(got - want)}; log:\n"
                          + indexer.log()[-2000:])
