@@ -172,9 +172,14 @@ class _CpuMemcpy:
 
 
 def _copy_units(work: list[SegmentWork], units: list[Unit], store: bool) -> None:
+    limit = _CHUNK_BYTES
+    copyto = np.copyto
     for dst, src in unit_views(work, units, store):
-        for d, s in pieces(dst, src, _CHUNK_BYTES):
-            np.copyto(d, s)
+        if dst.nbytes <= limit:  # the common case: one memcpy call, no generator
+            copyto(dst, src)
+        else:
+            for d, s in pieces(dst, src, limit):
+                copyto(d, s)
 
 
 class _CpuLane:

@@ -112,13 +112,12 @@ def copy_units(work: list[SegmentWork], limit: int) -> list[Unit]:
 def unit_views(work: list[SegmentWork], units: list[Unit], store: bool) -> Iterator[CopyOp]:
     for i, b0, s0, n, j0, j1 in units:
         w = work[i]
-        whole = j0 == 0 and j1 == w.kv.shape[1]
-        if n == 1:
-            kv, pool = w.kv[b0], w.pool[s0]
-            if not whole:
-                kv, pool = kv[j0:j1], pool[j0:j1]
-        else:
+        if n != 1:
             kv, pool = w.kv[b0 : b0 + n], w.pool[s0 : s0 + n]
+        elif j0 == 0 and j1 == w.kv.shape[1]:
+            kv, pool = w.kv[b0], w.pool[s0]
+        else:
+            kv, pool = w.kv[b0, j0:j1], w.pool[s0, j0:j1]
         yield (pool, kv) if store else (kv, pool)
 
 
