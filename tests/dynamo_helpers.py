@@ -137,7 +137,7 @@ def replay_state(replay: str, timeout: float = 30.0) -> tuple[set[tuple[str, int
     Only our own decoder reads this; it says what the stream told, which Dynamo's index must
     then equal.
     """
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(replay)

@@ -27,11 +27,11 @@ SEED = hashlib.sha256(b"kvoffload").digest()  # bench.workload.block_hashes' cha
 
 def replay_all(endpoint: str, timeout_ms: int = 10_000) -> list[bytes]:
     """Every buffered batch payload, through vLLM's replay protocol (DEALER, end marker)."""
-    s = zmq.Context.instance().socket(zmq.DEALER)
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(endpoint)
     s.send_multipart([b"", (0).to_bytes(8, "big")])
-    out = []
+    out: list[bytes] = []
     try:
         while True:
             assert s.poll(timeout_ms), "replay did not finish"
@@ -69,7 +69,7 @@ def daemon(tmp_path):
 
 
 def test_every_stored_block_is_self_describing_and_removals_match(daemon) -> None:
-    lookups = zmq.Context.instance().socket(zmq.SUB)
+    lookups: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     lookups.setsockopt(zmq.SUBSCRIBE, b"")
     lookups.connect(daemon.ready["lookup_events"])
     time.sleep(0.3)  # PUB/SUB join before the first lookup

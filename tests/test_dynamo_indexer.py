@@ -147,9 +147,9 @@ def test_dynamo_indexes_every_attention_chunk_under_each_engine(
     for turn in chat_turns(requests, 0):
         answer = indexer.query(turn.prompt)
         expect = _expected_match(turn.prompt, cpu, p.block_tokens, p.tokens_per_hash)
-        for worker in ("1", "2"):
-            got_tokens = answer["instances"].get(worker, {}).get("cpu", 0)
-            assert got_tokens == expect, (turn.conversation, turn.index, worker, answer)
+        for wid in ("1", "2"):
+            got_tokens = answer["instances"].get(wid, {}).get("cpu", 0)
+            assert got_tokens == expect, (turn.conversation, turn.index, wid, answer)
         matched += expect > 0
     assert matched > 0  # the run left reusable prefixes, so the check above is not vacuous
     assert "Dropping" not in indexer.log()

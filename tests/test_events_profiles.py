@@ -157,7 +157,7 @@ def test_llmd_profile_positional_events_on_the_node_topic(tmp_path: Path) -> Non
     with run_daemon(tmp_path, "--events-profile", "llm-d", "--events-model", "Qwen/Qwen3",
                     "--events-node", "node-7", "--events", "tcp://127.0.0.1:0",
                     "--events-replay", "tcp://127.0.0.1:0") as d:
-        s = zmq.Context.instance().socket(zmq.DEALER)
+        s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(d.ready["events_replay"])
         tokens, fine = run_engine(d.control)
