@@ -254,7 +254,9 @@ class EventPublisher:
         """Queue one batch (or events to wrap in a batch stamped now). Never blocks or raises.
 
         Returns False when the batch was dropped (queue full or publisher closed); drops are
-        counted in `kvoffload_events_dropped_batches_total`. Thread-safe.
+        counted in `kvoffload_events_dropped_batches_total`. Thread-safe without coalescing
+        (`max_batch_events=1`); a coalescing publisher takes bare events from its loop's
+        thread only (the daemon's case), since sealing swaps the open list.
         """
         if self._closed:
             self._drop("closed")
