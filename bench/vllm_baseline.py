@@ -91,7 +91,7 @@ class _StubModelConfig:
         return 1
 
 
-def kv_cache_config(geometry: Geometry, num_blocks: int = 1 << 16) -> Any:
+def kv_cache_config(geometry: Geometry, num_blocks: int = 1 << 16, head_size: int = 8) -> Any:
     """vLLM KV-cache groups mirroring ``geometry`` (attention + Mamba align); tiny pages."""
     import torch
     from vllm.v1.kv_cache_interface import (
@@ -105,7 +105,7 @@ def kv_cache_config(geometry: Geometry, num_blocks: int = 1 << 16) -> Any:
     for g in geometry.groups:
         if g.kind is GroupKind.FULL_ATTENTION:
             specs.append(FullAttentionSpec(block_size=g.tokens_per_block, num_kv_heads=1,
-                                           head_size=8, dtype=torch.float16))
+                                           head_size=head_size, dtype=torch.float16))
         elif g.kind is GroupKind.MAMBA:
             specs.append(MambaSpec(block_size=g.tokens_per_block, shapes=((4,),),
                                    dtypes=(torch.float16,),
@@ -118,10 +118,13 @@ def kv_cache_config(geometry: Geometry, num_blocks: int = 1 << 16) -> Any:
 
 
 def build_connector(geometry: Geometry, num_chunks: int, *, offload_prompt_only: bool = True,
-                    max_model_len: int = 1 << 20) -> Any:
+                    max_model_len: int = 1 << 20, extra: dict[str, Any] | None = None,
+                    connector_cls: Any = None, head_size: int = 8) -> Any:
     """vLLM's SCHEDULER-role ``OffloadingConnector`` over its own CPU manager of ``num_chunks``.
 
-    ``offload_prompt_only`` is vLLM 0.33's default (True): decode tokens are never stored."""
+    ``offload_prompt_only`` is vLLM 0.33's default (True): decode tokens are never stored.
+    ``extra`` (a whole ``kv_connector_extra_config``) and ``connector_cls`` load another spec
+    the same way, ours for instance, in front of the very same scheduler code."""
     reason = vllm_import_error()
     if reason is not None:
         raise RuntimeError(reason)
@@ -135,14 +138,26 @@ def build_connector(geometry: Geometry, num_chunks: int, *, offload_prompt_only:
     cache = CacheConfig(block_size=block, enable_prefix_caching=True,
                         prefix_match_unit=geometry.tokens_per_hash, mamba_cache_mode="align")
     transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                kv_connector_extra_config={
+                                kv_connector_extra_config=extra or {
                                     "spec_name": SPEC_NAME,
                                     "spec_module_path": "kvoffload.bench.vllm_baseline",
                                     "num_chunks": num_chunks,
                                     "offload_prompt_only": offload_prompt_only})
     config = VllmConfig(cache_config=cache, kv_transfer_config=transfer)
     config.model_config = _StubModelConfig(max_model_len)  # type: ignore[assignment]
-    return OffloadingConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(geometry))
+    cls = connector_cls or OffloadingConnector
+    return cls(config, KVConnectorRole.SCHEDULER, kv_cache_config(geometry, head_size=head_size))
+
+
+def end_step(connector: Any) -> Any:
+    """Close a scheduler step with nothing scheduled (vLLM's ``build_connector_meta``)."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    out = SchedulerOutput(
+        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
+    return connector.build_connector_meta(out)
 
 
 @functools.cache

@@ -85,6 +85,7 @@ class IndexSession:
         self._sent = 0
         self._busy = False
         self._outstanding: dict[int, float] = {}  # rid -> send time of unanswered Steps
+        self._sync: set[int] = set()  # of those, the ones the next index read must reflect
         self.on_lost: Callable[[], None] = lambda: None  # the manager drops what it held
         self.counters = {"attaches": 0, "offline_events": 0, "steps_sent": 0,
                          "replies": 0, "send_failures": 0}
@@ -114,6 +115,7 @@ class IndexSession:
         self._sock = self.client.socket()
         self._sent = 0
         self._outstanding.clear()
+        self._sync.clear()
         self._record.write(False, self.view.applied, 0)
         self.counters["attaches"] += 1
         log.info("kvoffload: attached to daemon %s (engine %d, %d slots)", reg.daemon_id,
@@ -136,6 +138,7 @@ class IndexSession:
         self.view, self._record, self._sock, self._busy = None, None, None, False
         self.client.reset_socket()  # a fresh identity: the old one's lease releases its hold
         self._outstanding.clear()
+        self._sync.clear()
         if was:
             self.on_lost()
 
@@ -147,7 +150,8 @@ class IndexSession:
         now = si.now_ns()
         if now - view.heartbeat_ns() > self.liveness_ns:
             return "its heartbeat stopped"
-        if self._outstanding and min(self._outstanding.values()) < \
+        # Insertion order: the first outstanding Step is the oldest.
+        if self._outstanding and next(iter(self._outstanding.values())) < \
                 time.monotonic() - self.liveness_ns / 1e9:
             return "a step message is unanswered"
         return None
@@ -171,7 +175,7 @@ class IndexSession:
         # is in the index we read next (our own commits and claims included). A reply still
         # out is waited for, briefly: it is almost always there already (the daemon needs
         # ~0.1 ms, a step takes milliseconds), and never longer than ``sync_ms``.
-        replies = self.wait_replies(self.sync_ms) if self._outstanding else []
+        replies = self.wait_replies(self.sync_ms, only_sync=True) if self._sync else []
         replies += self._poll()
         if self.view is None:
             return None  # lost while reading replies
@@ -184,7 +188,8 @@ class IndexSession:
     def _poll(self) -> list[p.StepReply]:
         out: list[p.StepReply] = []
         sock = self._sock
-        while sock is not None:
+        # Checking the socket's events is cheaper than a receive that raises when empty.
+        while sock is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -198,6 +203,7 @@ class IndexSession:
                 log.error("kvoffload: undecodable reply from the daemon")
                 continue
             self._outstanding.pop(reply.rid, None)
+            self._sync.discard(reply.rid)
             self.counters["replies"] += 1
             if isinstance(reply, p.StepReply):
                 out.append(reply)
@@ -209,9 +215,10 @@ class IndexSession:
                     break
         return out
 
-    def send(self, build: Callable[[int, int, int], p.Step], *, end_of_step: bool
-             ) -> int | None:
-        """Send one Step built by ``build(rid, engine, epoch)`` without waiting; its rid."""
+    def send(self, build: Callable[[int, int, int], p.Step], *, end_of_step: bool,
+             sync: bool = False) -> int | None:
+        """Send one Step built by ``build(rid, engine, epoch)`` without waiting; its rid.
+        ``sync``: it writes what this engine's next read must see (its claims, commits)."""
         view, record, sock = self.view, self._record, self._sock
         if view is None or record is None or sock is None or self.reg is None:
             return None
@@ -224,17 +231,20 @@ class IndexSession:
             return None
         self._sent += 1
         self._outstanding[msg.rid] = time.monotonic()
+        if sync:
+            self._sync.add(msg.rid)
         self.counters["steps_sent"] += 1
         busy = self._busy and not end_of_step
         record.write(busy, view.applied, self._sent)
         self._busy = busy
         return msg.rid
 
-    def wait_replies(self, timeout_ms: int) -> list[p.StepReply]:
-        """Block up to ``timeout_ms`` for every outstanding reply (start-up only)."""
+    def wait_replies(self, timeout_ms: int, only_sync: bool = False) -> list[p.StepReply]:
+        """Block up to ``timeout_ms`` for the outstanding replies (all, or ``only_sync``: those
+        of writes the next read must see)."""
         out: list[p.StepReply] = []
         deadline = time.monotonic() + timeout_ms / 1000
-        while self._sock is not None and self._outstanding:
+        while self._sock is not None and (self._sync if only_sync else self._outstanding):
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
                 break

@@ -56,10 +56,6 @@ def keys_at(block_hashes: list[bytes], hash_idx: int, groups: tuple[int, ...] = 
 
 def end_step(connector: Any) -> Any:
     """Close a scheduler step with nothing scheduled (vLLM's build_connector_meta)."""
-    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from kvoffload.bench.vllm_baseline import end_step as close_step
 
-    out = SchedulerOutput(
-        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
-        num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={},
-        scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
-    return connector.build_connector_meta(out)
+    return close_step(connector)

@@ -294,7 +294,8 @@ def test_kvoffload_connector_subclass(daemon) -> None:  # type: ignore[no-untype
     conn.on_new_request(req)
     assert "subclass" in manager.requests
     assert conn.get_num_new_matched_tokens(req, 0) == (28, True)
-    (report,) = manager._batch.lookups
+    (pending,) = manager._batch.lookups
+    report = manager._report(*pending)  # what the step's message will carry
     assert (report.req_id, report.hit_tokens, report.chunk_tokens, report.tail_boundary) == (
         "subclass", 28, 16, 28)
     manager.shutdown()

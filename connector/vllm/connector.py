@@ -22,7 +22,6 @@ import time
 from typing import Any
 
 from kvoffload.connector.vllm.handover import CURRENT, Handover
-from kvoffload.daemon import protocol as p
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # type: ignore[import-untyped]
     OffloadingConnector,
 )
@@ -55,24 +54,11 @@ class KVOffloadConnector(OffloadingConnector):  # type: ignore[misc]
         start = time.perf_counter()
         hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         manager = self._handover.manager
-        if manager is not None:
-            manager.report_lookup(self._report(manager, request, num_computed_tokens, hit,
-                                               time.perf_counter() - start))
+        if manager is not None:  # turned into a LookupReport at the step's end, not here
+            manager.report_lookup((request.request_id, request.num_tokens,
+                                   request.num_prompt_tokens, num_computed_tokens, hit,
+                                   time.perf_counter() - start))
         return hit, is_async
-
-    @staticmethod
-    def _report(manager: Any, request: Any, local: int, hit: int | None,
-                seconds: float) -> p.LookupReport:
-        block = manager.geometry.groups[0].tokens_per_block
-        end = local + (hit or 0)
-        tail = bool(hit) and end % block != 0
-        chunk = max(0, end - end % block - local) if tail else (hit or 0)
-        return p.LookupReport(
-            req_id=request.request_id, num_tokens=request.num_tokens,
-            num_prompt_tokens=request.num_prompt_tokens, local_tokens=local, hit_tokens=hit,
-            chunk_tokens=chunk, tail_boundary=end if tail else None,
-            miss_reason=None if hit else ("pending" if hit is None else "not_stored"),
-            latency_us=int(seconds * 1e6))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         results = super().get_transfer_results(finished_req_ids)

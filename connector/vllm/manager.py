@@ -88,6 +88,8 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._not_found: dict[bytes, int] = {}  # key -> step it was not found
         self._after_reset: tuple[list[p.SlotRef], list[p.SlotRef]] | None = None
         self._batch = _Batch()
+        self._ready: dict[bytes, tuple[int, int]] = {}
+        self._not_worth: set[bytes] = set()
 
     # -- the step -----------------------------------------------------------------------
 
@@ -114,6 +116,10 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._busy = True
         attaches = self.session.counters["attaches"]
         replies = self.session.begin()
+        view = self.session.view
+        # The view's own containers, bound for this step (empty ones when offline).
+        self._ready = view.ready if view is not None else {}
+        self._not_worth = view.not_worth if view is not None else set()
         if replies is None:
             return
         if self.session.counters["attaches"] != attaches:
@@ -181,16 +187,18 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
     # -- lookups ------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        # The hot path: vLLM calls this ~50-80 times per long request. One dict probe for a
+        # hit, everything else only on the way to a miss.
         if not self._busy:
             self._begin()
-        view = self.session.view
-        if view is None:
-            return MISS  # offline: vLLM computes, nothing waits
-        if key in view.ready:
-            if key in view.not_worth:  # a tail whose load cannot repay its bytes
+        if key in self._ready:
+            if self._not_worth and key in self._not_worth:  # its load cannot repay its bytes
                 self.counters["tails_declined"] += 1
                 return MISS
             return HIT
+        view = self.session.view
+        if view is None:
+            return MISS  # offline: vLLM computes, nothing waits
         if key in self._committed and view.slot_of(key) == self._storing[key][0]:
             # Our own store, committed: the daemon holds it PENDING in our slot and takes our
             # commit before any pin we send after it (one socket, in order).
@@ -295,7 +303,7 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
             # Now, not at the step's end: the next step's view then already reads them READY.
             self.session.send(lambda rid, engine, epoch: p.Step(
                 rid=rid, engine=engine, epoch=epoch, commits=commits, aborts=aborts),
-                end_of_step=not self._busy)
+                end_of_step=not self._busy, sync=True)
             self.counters["stores_committed"] += len(commits)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -311,8 +319,23 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         """A request vLLM's connector saw (``KVOffloadConnector``): its tokens for events."""
         self.requests[request.request_id] = RequestInfo.of(request)
 
-    def report_lookup(self, report: p.LookupReport) -> None:
+    def report_lookup(self, report: Any) -> None:
+        """A request's outcome (a ``LookupReport``, or the arguments of one built later)."""
         self._batch.lookups.append(report)
+
+    def _report(self, req_id: str, num_tokens: int, num_prompt: int, local: int,
+                hit: int | None, seconds: float) -> p.LookupReport:
+        """Built at the step's end, off vLLM's lookup path."""
+        block = self.geometry.groups[0].tokens_per_block
+        end = local + (hit or 0)
+        tail = bool(hit) and end % block != 0
+        chunk = max(0, end - end % block - local) if tail else (hit or 0)
+        return p.LookupReport(
+            req_id=req_id, num_tokens=num_tokens, num_prompt_tokens=num_prompt,
+            local_tokens=local, hit_tokens=hit, chunk_tokens=chunk,
+            tail_boundary=end if tail else None,
+            miss_reason=None if hit else ("pending" if hit is None else "not_stored"),
+            latency_us=int(seconds * 1e6))
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.requests.pop(req_context.req_id, None)
@@ -323,12 +346,15 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if self.session.attached and (batch or want > 0):
             reserve = max(0, want)
 
+            lookups = [r if isinstance(r, p.LookupReport) else self._report(*r)
+                       for r in batch.lookups]
+
             def build(rid: int, engine: int, epoch: int) -> p.Step:
                 return p.Step(rid=rid, engine=engine, epoch=epoch, pins=batch.pins,
                               releases=batch.releases, claims=batch.claims, reserve=reserve,
-                              finds=batch.finds, lookups=batch.lookups)
+                              finds=batch.finds, lookups=lookups)
 
-            rid = self.session.send(build, end_of_step=True)
+            rid = self.session.send(build, end_of_step=True, sync=bool(batch.claims))
             if rid is not None:
                 self._reserve_asked += reserve
                 self._reserve_rids[rid] = reserve
