@@ -107,7 +107,10 @@ class ParkedLookups:
 def has_unread(sock: zmq.asyncio.Socket | None) -> bool:
     if sock is None or sock.closed:
         return False
-    events = sock.getsockopt(zmq.EVENTS)
+    # ``get``, not ``getsockopt``: reading ZMQ_EVENTS consumes the edge-triggered ZMQ_FD
+    # signal, and only the asyncio socket's ``get`` re-schedules a waiting recv future for it
+    # (else the receive loop can sleep on frames that are already there).
+    events = sock.get(zmq.EVENTS)
     return isinstance(events, int) and bool(events & zmq.POLLIN)
 
 
