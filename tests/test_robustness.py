@@ -375,9 +375,15 @@ def test_healthz_answers_while_one_client_floods(daemon: DaemonHandle) -> None:
         with urllib.request.urlopen(f"{daemon.http_url}/healthz", timeout=20) as resp:
             assert resp.status == 200
         during.append(state["answered"])
+    other = DaemonClient(daemon.control, timeout_ms=20_000)  # a fair share for others
+    other.register(EXAMPLE)
+    assert other.stats()["namespaces"] >= 1
+    served_at = state["answered"]  # flood replies seen when the other client was served
     t.join(60)
+    other.close()
     # Answers arrived while flood frames were still being answered, not only after.
     assert [n for n in during if n < total], during
+    assert served_at < total
     assert state["answered"] == total
     flooder.close()
 
