@@ -34,27 +34,17 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Container, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from kvoffload.connector.copy_cpu import CpuLane, CpuMemcpy
 from kvoffload.connector.copy_cuda import CudaLauncher
-from kvoffload.connector.copy_plan import (
-    SegmentViews,
-    SegmentWork,
-    Unit,
-    copy_units,
-    pieces,
-    plan_work,
-    segment_views,
-    unit_views,
-)
+from kvoffload.connector.copy_plan import SegmentViews, SegmentWork, plan_work, segment_views
 from kvoffload.connector.layout import (
     KVLayout,
     group_bytes_per_block,
@@ -129,82 +119,6 @@ class _Job:
     end_event: Any = None
 
 
-_CHUNK_BYTES = 1 << 20  # CPU work unit: big enough to amortize ~1 us of Python per piece
-
-
-class _CpuMemcpy:
-    """Runs a job as ~1 MiB memcpy pieces (``np.copyto``: a memcpy that releases the GIL) over
-    ``threads`` threads: the caller and ``threads - 1`` helpers.
-
-    The job is cut into units of about ``_CHUNK_BYTES`` (a run of blocks, or some layers of one
-    block) dealt round-robin; each thread makes its own views and copies them, so the Python
-    cost of a view (about 1 us) overlaps the other threads' copies. Two threads matter even on
-    two cores: scattered 16 KiB rows reach ~15 GB/s from one thread and ~20 from two here (more
-    misses in flight), against ~22 for one contiguous memcpy. Plain memcpy pieces never wait on
-    torch's OpenMP team: with load ~4 on 2 cores, per-row ``copy_`` reached 0.06-0.6 of a
-    contiguous copy, memcpy pieces 0.7-1.8 of it.
-    """
-
-    def __init__(self, threads: int, name: str = "kvoffload-memcpy") -> None:
-        self.threads = max(1, threads)
-        self._pool = (ThreadPoolExecutor(self.threads - 1, thread_name_prefix=name)
-                      if self.threads > 1 else None)
-
-    def copy(self, work: list[SegmentWork], store: bool) -> None:
-        units = copy_units(work, _CHUNK_BYTES)
-        if self._pool is None or len(units) < 2:
-            _copy_units(work, units, store)
-            return
-        futures = [self._pool.submit(_copy_units, work, units[i :: self.threads], store)
-                   for i in range(1, self.threads)]
-        try:
-            _copy_units(work, units[:: self.threads], store)
-        finally:
-            # Every piece must have stopped before the job is reported, even a failed one.
-            errors = [f.exception() for f in futures]
-        for error in errors:
-            if error is not None:
-                raise error
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-
-
-def _copy_units(work: list[SegmentWork], units: list[Unit], store: bool) -> None:
-    limit = _CHUNK_BYTES
-    copyto = np.copyto
-    for dst, src in unit_views(work, units, store):
-        if dst.nbytes <= limit:  # the common case: one memcpy call, no generator
-            copyto(dst, src)
-        else:
-            for d, s in pieces(dst, src, limit):
-                copyto(d, s)
-
-
-class _CpuLane:
-    """One thread running one lane's jobs in submission order."""
-
-    def __init__(self, name: str, threads: int, run: Any) -> None:
-        self.memcpy = _CpuMemcpy(threads, name)
-        self._run = run
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def put(self, job: _Job) -> None:
-        self._queue.put(job)
-
-    def _loop(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self._run(job, self.memcpy)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        self.memcpy.close()
-
-
 class BlockCopier:
     """Copies (group, block_id, slot) items between KV tensors and this rank's slot pages."""
 
@@ -246,8 +160,8 @@ class BlockCopier:
         self._inflight: dict[int, _Job] = {}
         self._rejected: list[CopyResult] = []  # jobs that never got an in-flight entry
         self._streams: dict[str, Any] = {}
-        self._lanes: dict[str, _CpuLane] = {}
-        self._sync_memcpy: _CpuMemcpy | None = None
+        self._lanes: dict[str, CpuLane] = {}
+        self._sync_memcpy: CpuMemcpy | None = None
         self._launcher: CudaLauncher | None = None
         if self._cuda:
             self._launcher = CudaLauncher(dev, cuda_backend)
@@ -256,10 +170,10 @@ class BlockCopier:
         else:
             n = cpu_threads or min(torch.get_num_threads(), os.cpu_count() or 1, 8)
             if cpu_async:
-                self._lanes = {lane: _CpuLane(f"kvoffload-{lane}-r{rank}", n, self._run_cpu)
+                self._lanes = {lane: CpuLane(f"kvoffload-{lane}-r{rank}", n, self._run_cpu)
                                for lane in LANES}
             else:
-                self._sync_memcpy = _CpuMemcpy(n)
+                self._sync_memcpy = CpuMemcpy(n)
         # Ids of load jobs to expedite, for a caller whose submit path cannot pass the flag
         # (the vLLM worker sets it to the set its submit_load fills).
         self.expedited_jobs: Container[int] = frozenset()
@@ -367,7 +281,7 @@ class BlockCopier:
         # Views are only Python handles; the stream keeps no reference to them.
         job.work = []
 
-    def _run_cpu(self, job: _Job, memcpy: _CpuMemcpy) -> None:
+    def _run_cpu(self, job: _Job, memcpy: CpuMemcpy) -> None:
         t0 = time.perf_counter()
         ok = True
         try:

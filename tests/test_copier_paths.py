@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kvoffload.connector import copier as copier_mod
-from kvoffload.connector import copy_cuda
+from kvoffload.connector import copy_cpu, copy_cuda
 from kvoffload.connector.copier import (
     EXPEDITED,
     LOAD,
@@ -142,7 +141,7 @@ def test_round_trip(mapping: PoolMapping, monkeypatch: pytest.MonkeyPatch, name:
                     threads: int, chunk: int) -> None:
     """Every layout, one or several threads, and units cut smaller than a page (by layers,
     then by bytes) all land the same bytes in the same places."""
-    monkeypatch.setattr(copier_mod, "_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(copy_cpu, "_CHUNK_BYTES", chunk)
     src = LAYOUTS[name](2)
     with BlockCopier(mapping, src, 0, 1, SLOT, cpu_threads=threads) as w:
         w.submit_store(1, STORES)
