@@ -170,13 +170,13 @@ class IndexSession:
         view, record = self.view, self._record
         assert view is not None and record is not None
         if self._busy:
-            return self._poll()
-        # Replies first: the daemon answers a Step after applying it, so whatever was answered
-        # is in the index we read next (our own commits and claims included). A reply still
-        # out is waited for, briefly: it is almost always there already (the daemon needs
-        # ~0.1 ms, a step takes milliseconds), and never longer than ``sync_ms``.
+            return []
+        # Our own writes first: the daemon answers a Step after applying it, so once their
+        # replies are in, the index we read next has our claims and commits. A reply still out
+        # is waited for, briefly: it is almost always there already (the daemon needs ~0.1 ms,
+        # a step takes milliseconds), and never longer than ``sync_ms``. Other replies are
+        # read at the step's end (``poll``), off vLLM's lookup path.
         replies = self.wait_replies(self.sync_ms, only_sync=True) if self._sync else []
-        replies += self._poll()
         if self.view is None:
             return None  # lost while reading replies
         record.write(True, view.applied, self._sent)  # busy from before the read on
@@ -184,6 +184,10 @@ class IndexSession:
         record.write(True, view.applied, self._sent)
         self._busy = True
         return replies
+
+    def poll(self) -> list[p.StepReply]:
+        """The replies that arrived, without waiting (the manager reads them at step end)."""
+        return self._poll() if self._outstanding else []
 
     def _poll(self) -> list[p.StepReply]:
         out: list[p.StepReply] = []

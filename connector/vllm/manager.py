@@ -341,6 +341,8 @@ class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self.requests.pop(req_context.req_id, None)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        for reply in self.session.poll():  # grants, refusals, finds of earlier steps
+            self._absorb(reply)
         batch, self._batch = self._batch, _Batch()
         want = self.settings.reserve - len(self._reserved) - self._reserve_asked
         if self.session.attached and (batch or want > 0):
