@@ -49,6 +49,19 @@ def _serve(e: Any, tokens: list[int], req_id: str) -> int:
     return e.prefill_tokens[req_id]
 
 
+def _committed(daemon: DaemonHandle, e: Any) -> None:
+    """Wait until the daemon holds no store of ``e`` still pending."""
+    import time
+
+    from plugin_common import connect
+
+    c = connect(daemon.control, e.connector.scheduler.manager.geometry)
+    deadline = time.monotonic() + 30
+    while c.stats()["pending"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    c.close()
+
+
 def _fresh(e: Any) -> None:
     assert e.scheduler.reset_prefix_cache()
     e.scribble()
@@ -60,6 +73,7 @@ def test_engine_b_loads_what_engine_a_stored(daemon: DaemonHandle) -> None:
     a, b = _engine(daemon.control), _engine(daemon.control)
     prompt = _prompt("shared")
     assert _serve(a, prompt, "a1") == 30
+    _committed(daemon, a)  # A's last commit may still be on its way when A goes idle
     seen: dict[str, bool] = {}
 
     def check(req_id: str) -> None:
@@ -86,6 +100,7 @@ def test_keys_evicted_by_another_engine_are_offered_again(daemon: DaemonHandle) 
     assert _serve(a, prompt, "a2") == 30  # gone: recomputed ...
     # ... and offered again, because "already stored" is read from the daemon's index.
     assert a.connector.scheduler.manager.counters["stores_offered"] > offered
+    _committed(daemon, a)
     _fresh(a)
     assert _serve(a, prompt, "a3") == 2
     a.shutdown()
@@ -97,6 +112,7 @@ def test_one_engines_connector_reset_leaves_the_others_blocks(daemon: DaemonHand
     mine, theirs = _prompt("a-only"), _prompt("b-only")
     assert _serve(a, mine, "a1") == 30
     assert _serve(b, theirs, "b1") == 30
+    _committed(daemon, b)
     # vLLM's reset_prefix_cache(reset_connector=True) on A: only A's blocks go (the default).
     assert a.scheduler.reset_prefix_cache(reset_connector=True)
     a.run(until=lambda: not a.busy())
