@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,13 +170,32 @@ def _block_hasher(tokens_per_hash: int) -> Any:
 
 
 def make_request(token_ids: Sequence[int], request_id: str, tokens_per_hash: int,
-                 max_tokens: int = 16) -> Any:
+                 max_tokens: int = 16, *, kv_transfer_params: dict[str, Any] | None = None,
+                 cache_salt: str | None = None) -> Any:
     """A real vLLM ``Request`` hashed by vLLM's own block hasher."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(request_id, list(token_ids), SamplingParams(max_tokens=max(1, max_tokens)),
-                   None, block_hasher=_block_hasher(tokens_per_hash))
+    req = Request(request_id, list(token_ids), SamplingParams(max_tokens=max(1, max_tokens)),
+                  None, cache_salt=cache_salt, block_hasher=_block_hasher(tokens_per_hash))
+    req.kv_transfer_params = kv_transfer_params
+    return req
+
+
+def build_vllm_config(extra_config: Mapping[str, Any], block_size: int = 16,
+                      prefix_match_unit: int | None = 4, *, enable_prefix_caching: bool = True,
+                      mamba_cache_mode: str = "align", max_model_len: int = 8192) -> Any:
+    """A ``VllmConfig`` whose KV transfer config loads the spec named in ``extra_config``."""
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                        prefix_match_unit=prefix_match_unit,
+                        mamba_cache_mode=mamba_cache_mode)  # type: ignore[arg-type]
+    transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                kv_connector_extra_config=dict(extra_config))
+    config = VllmConfig(cache_config=cache, kv_transfer_config=transfer)
+    config.model_config = _StubModelConfig(max_model_len)  # type: ignore[assignment]
+    return config
 
 
 def store_keys(connector: Any, keys: Sequence[bytes]) -> None:

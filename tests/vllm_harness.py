@@ -22,10 +22,9 @@ The setup follows shared/spec/vllm-on-cpu.md: ``VLLM_TARGET_DEVICE=cpu``, a stub
 
 from __future__ import annotations
 
-import functools
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -110,50 +109,15 @@ def attention_kv_cache_config(block_size: int = 16, num_blocks: int = 1024) -> K
 # --------------------------------------------------------------------------- configs
 
 
-class _StubModelConfig:
-    """What the offloading config code reads from ``ModelConfig`` (which would need a model)."""
-
-    model = "kvoffload-stub"
-    use_mla = False
-    max_model_len = 8192
-
-    def __init__(self, max_model_len: int) -> None:
-        import torch
-
-        self.dtype = torch.float16
-        self.max_model_len = max_model_len
-
-    def get_total_num_kv_heads(self) -> int:
-        return 1
+# One stub model config and one config builder for tests and benchmarks alike.
+from kvoffload.bench.vllm_baseline import build_vllm_config as _build_vllm_config  # noqa: E402
 
 
-def build_vllm_config(
-    extra_config: Mapping[str, Any],
-    block_size: int = 16,
-    prefix_match_unit: int | None = 4,
-    *,
-    enable_prefix_caching: bool = True,
-    mamba_cache_mode: Literal["align", "none"] = "align",
-    max_model_len: int = 8192,
-) -> VllmConfig:
+def build_vllm_config(extra_config: Mapping[str, Any], block_size: int = 16,
+                      prefix_match_unit: int | None = 4, **kwargs: Any) -> VllmConfig:
     """A ``VllmConfig`` whose KV transfer config loads our spec into ``OffloadingConnector``."""
     require_vllm()
-    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
-
-    cache_config = CacheConfig(
-        block_size=block_size,
-        enable_prefix_caching=enable_prefix_caching,
-        prefix_match_unit=prefix_match_unit,
-        mamba_cache_mode=mamba_cache_mode,
-    )
-    transfer_config = KVTransferConfig(
-        kv_connector="OffloadingConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config=dict(extra_config),
-    )
-    config = VllmConfig(cache_config=cache_config, kv_transfer_config=transfer_config)
-    config.model_config = _StubModelConfig(max_model_len)  # type: ignore[assignment]
-    return config
+    return _build_vllm_config(extra_config, block_size, prefix_match_unit, **kwargs)
 
 
 def build_scheduler_connector(
@@ -201,15 +165,6 @@ def tokens_per_hash(connector: OffloadingConnector) -> int:
 # --------------------------------------------------------------------------- requests
 
 
-@functools.cache
-def _block_hasher(hash_block_size: int) -> Any:
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-    init_none_hash(sha256)
-    return get_request_block_hasher(hash_block_size, sha256)
-
-
 def make_request(
     token_ids: Sequence[int],
     request_id: str | None = None,
@@ -222,19 +177,11 @@ def make_request(
     """A real ``Request`` whose ``block_hashes`` come from vLLM's own block hasher (sha256,
     one hash per ``hash_block_size`` tokens)."""
     require_vllm()
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
+    from kvoffload.bench.vllm_baseline import make_request as _make_request
 
-    req = Request(
-        request_id or f"req-{uuid.uuid4().hex[:12]}",
-        list(token_ids),
-        SamplingParams(max_tokens=max_tokens),
-        None,
-        cache_salt=cache_salt,
-        block_hasher=_block_hasher(hash_block_size),
-    )
-    req.kv_transfer_params = kv_transfer_params
-    return req
+    return _make_request(token_ids, request_id or f"req-{uuid.uuid4().hex[:12]}",
+                         hash_block_size, max_tokens, kv_transfer_params=kv_transfer_params,
+                         cache_salt=cache_salt)
 
 
 # --------------------------------------------------------------------------- allocation

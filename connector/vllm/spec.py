@@ -78,7 +78,9 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             self._worker = DaemonOffloadingWorker(
                 kv_caches, rank=par.rank, tp_world_size=max(1, par.world_size),
                 cpu_async=_setting(self.extra_config, "kvoffload_copy_async", True, bool),
-                reports_load_errors=self.handover is not None)
+                reports_load_errors=self.handover is not None,
+                # Map and pin the pool now, off the first step, when the operator names it.
+                pool_path=str(self.extra_config.get("kvoffload_pool_path", "")) or None)
             if self.handover is not None:
                 self.handover.worker = self._worker
         return self._worker

@@ -1,0 +1,169 @@
+"""engine_chat suite: multi-turn hybrid chat through vLLM 0.33's real engine loop, ours vs vLLM.
+
+Both variants run vLLM's own core ``Scheduler`` (``bench/vllm_engine.py``: its WORKER-role
+connector on CPU KV tensors, a fake model whose KV bytes follow from the tokens):
+
+* ``ours``: our plugin (``KVOffloadConnector`` + ``KVOffloadSpec``) and a live daemon process;
+  every load's bytes are checked against what the model would have computed;
+* ``vllm``: vLLM's own ``CPUOffloadingSpec`` / ``CPUOffloadingManager`` with the same bytes of
+  host memory (its worker needs CUDA, so its transfers complete without moving bytes; the
+  scheduler decisions, which are what this suite compares, are vLLM's own).
+
+Conversations take turns round-robin (a user's next turn comes after every other user's), the
+GPU cache is small (it cannot keep every conversation), and each prompt is the whole history
+plus a new message. Reported per variant: prompt tokens recomputed, tokens loaded, deferral
+answers (``get_num_new_matched_tokens`` -> None), verified loads. ``ratio`` = ours recomputed /
+vLLM recomputed (target <= 0.6); ``deferral_delta`` = ours - vLLM (target <= 2).
+Run alone: ``python -m kvoffload.bench.engine_chat [--full]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from typing import Any
+
+from kvoffload.bench.proc import daemon_process
+from kvoffload.bench.vllm_baseline import vllm_import_error
+
+TARGET = 0.6
+DEFERRAL_SLACK = 2
+SLOT = 4096
+
+
+def _conversations(n: int, turns: int, seed: int) -> list[list[list[int]]]:
+    rng = random.Random(seed)
+    return [[[rng.randrange(20_000, 40_000) for _ in range(rng.randint(20, 60))]
+             for _ in range(turns)] for _ in range(n)]
+
+
+def _floor(convs: list[list[list[int]]], reply_tokens: int, unit: int = 4) -> int:
+    """Fewest prompt tokens any offload can leave to compute: the first turn, then what follows
+    the previous prompt's last hash boundary (the reply is not stored, as vLLM's default)."""
+    total = 0
+    for conv in convs:
+        history: list[int] = []
+        for k, message in enumerate(conv):
+            prompt = history + message
+            total += len(prompt) if k == 0 else len(prompt) - (len(history) - reply_tokens - 1
+                                                                ) // unit * unit
+            history = prompt + [0] * reply_tokens
+    return total
+
+
+def _drive(engine: Any, convs: list[list[list[int]]], reply_tokens: int,
+           verify: bool) -> dict[str, Any]:
+    from kvoffload.bench.vllm_engine import BLOCK, ROW, token_row
+
+    out = {"prompt_tokens": 0, "recomputed_tokens": 0, "deferrals": 0, "loads": 0,
+           "verify_failures": 0}
+    original = engine.connector.get_num_new_matched_tokens
+
+    def counting(request: Any, local: int) -> Any:
+        hit, is_async = original(request, local)
+        out["deferrals"] += hit is None
+        return hit, is_async
+
+    engine.connector.get_num_new_matched_tokens = counting
+    prompts: dict[str, list[int]] = {}
+
+    def check(req_id: str) -> None:
+        out["loads"] += 1
+        if not verify:
+            return
+        req = engine.scheduler.requests[req_id]
+        attn, _ = engine.block_table(req_id)
+        tokens = prompts[req_id]
+        for t in range(req.num_computed_tokens):
+            row = engine.pages["attn.0"][attn[t // BLOCK], ROW * (t % BLOCK):
+                                         ROW * (t % BLOCK + 1)]
+            if bytes(row.numpy()) != bytes(token_row(tokens, t).numpy()):
+                out["verify_failures"] += 1
+                return
+
+    engine.on_loaded = check
+    history = [[] for _ in convs]
+    for turn in range(len(convs[0])):
+        for c, conv in enumerate(convs):
+            prompt = history[c] + conv[turn]
+            req_id = f"c{c}t{turn}"
+            prompts[req_id] = prompt
+            engine.add(prompt, req_id, max_tokens=reply_tokens)
+            engine.run(max_steps=2000)
+            out["prompt_tokens"] += len(prompt)
+            out["recomputed_tokens"] += engine.prefill_tokens[req_id]
+            # The fake model's reply joins the history (offload_prompt_only: not stored).
+            history[c] = prompt + [1000 + len(prompt) + i for i in range(reply_tokens)]
+    out["loaded_tokens"] = out["prompt_tokens"] - out["recomputed_tokens"]
+    return out
+
+
+def run_engine_chat_bench(quick: bool = True, *, conversations: int | None = None,
+                          turns: int = 5, slots: int | None = None, gpu_blocks: int = 48,
+                          prompt_only: bool = True, progress: Any = None) -> dict[str, Any]:
+    say = progress or (lambda _msg: None)
+    n = conversations or (8 if quick else 16)
+    slots = slots or (160 if quick else 320)
+    out: dict[str, Any] = {
+        "ratio": None, "target": TARGET, "meets": False, "conversations": n, "turns": turns,
+        "host_bytes": slots * SLOT, "gpu_blocks": gpu_blocks,
+        "offload_prompt_only": prompt_only,
+        "ratio_means": "prompt tokens recomputed, ours / vLLM's CPUOffloadingManager, through "
+                       "vLLM 0.33's core Scheduler, same workload, same host bytes",
+    }
+    reason = vllm_import_error()
+    if reason is not None:
+        out["reason"] = out["not_run"] = f"vLLM baseline not run: {reason}"
+        return out
+    from kvoffload.bench.vllm_engine import MiniEngine
+
+    convs = _conversations(n, turns, seed=11)
+    say("vLLM's own CPU offloading")
+    theirs = MiniEngine({"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": slots * SLOT,
+                         "offload_prompt_only": prompt_only},
+                        real_worker=False, num_blocks=gpu_blocks)
+    try:
+        out["vllm"] = _drive(theirs, convs, 8, verify=False)
+    finally:
+        theirs.shutdown()
+    say("our plugin and a daemon process")
+    # Slots sized by the engine's own block (slot_bytes 0): the same bytes per block as vLLM.
+    with daemon_process("--lease-ms", "600000", pool_bytes=slots * SLOT,
+                        slot_bytes=0) as (_proc, ready):
+        ours = MiniEngine({"spec_name": "KVOffloadSpec",
+                           "spec_module_path": "kvoffload.connector.vllm",
+                           "kvoffload_control": ready["control"],
+                           "kvoffload_copy_async": False, "kvoffload_timeout_ms": 5000,
+                           "offload_prompt_only": prompt_only},
+                          connector="KVOffloadConnector",
+                          connector_module="kvoffload.connector.vllm", num_blocks=gpu_blocks)
+        try:
+            out["ours"] = _drive(ours, convs, 8, verify=True)
+            out["ours"]["manager"] = dict(ours.connector.scheduler.manager.counters)
+        finally:
+            ours.shutdown()
+    o, v = out["ours"], out["vllm"]
+    out["floor_recomputed_tokens"] = _floor(convs, 8)
+    out["ratio"] = round(o["recomputed_tokens"] / max(1, v["recomputed_tokens"]), 3)
+    out["deferral_delta"] = o["deferrals"] - v["deferrals"]
+    missed = []
+    if out["ratio"] > TARGET:
+        missed.append(f"recomputed ratio {out['ratio']} > {TARGET}")
+    if out["deferral_delta"] > DEFERRAL_SLACK:
+        missed.append(f"deferrals +{out['deferral_delta']} > +{DEFERRAL_SLACK}")
+    if o["verify_failures"]:
+        missed.append(f"{o['verify_failures']} loads with wrong bytes")
+    out["meets"] = not missed
+    out["reason"] = "; ".join(missed) if missed else "all sub-targets met"
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    print(json.dumps(run_engine_chat_bench(quick="--full" not in sys.argv,
+                                           progress=lambda m: print(f"  {m} ...",
+                                                                    file=sys.stderr)),
+                     indent=2))

@@ -1,0 +1,232 @@
+"""``MiniEngine``: a whole vLLM 0.33 engine loop on CPU, minus the model: the real core ``Scheduler`` (with
+``hash_block_size``), vLLM's WORKER-role ``OffloadingConnector`` over CPU KV tensors, and a
+fake forward pass that writes deterministic KV bytes.
+
+The fake model follows vLLM's model-runner order (``gpu_model_runner.execute_model`` +
+``KVConnectorModelRunnerMixin``): ``handle_preemptions`` (submits last step's deferred stores),
+zero new blocks, apply the scheduler's copy-on-write block copies, "forward", start async
+loads, ``wait_for_save``, ``get_finished``, worker metadata. What the forward writes:
+
+* attention (group 0): for every computed token ``t``, bytes ``[32 * (t % 16), +32)`` of the
+  page of block ``table[t // 16]`` become ``token_row(tokens, t)``;
+* Mamba (group 1, align mode): the whole state page of ``table[(end - 1) // 16]`` becomes
+  ``state_page(tokens[:end])`` once the step computed tokens up to ``end``.
+
+So every byte a load restores can be predicted from the token ids alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch  # noqa: E402
+from kvoffload.bench.vllm_baseline import (  # noqa: E402
+    _StubModelConfig,
+    build_vllm_config,
+)
+from kvoffload.bench.vllm_baseline import make_request as _make_request  # noqa: E402
+
+BLOCK = 16
+UNIT = 4
+PAGE = 512  # bytes of one block of one layer (attention: 16 tokens x 32 bytes)
+ROW = PAGE // BLOCK
+
+
+def token_row(tokens: list[int], t: int) -> torch.Tensor:
+    seed = hashlib.sha256(f"{t}:{tokens[t]}".encode()).digest()
+    return torch.frombuffer(bytearray(seed), dtype=torch.int8).clone()
+
+
+def state_page(prefix: list[int]) -> torch.Tensor:
+    digest = hashlib.sha256(repr(prefix).encode()).digest()
+    return torch.frombuffer(bytearray(digest * (PAGE // 32)), dtype=torch.int8).clone()
+
+
+class _EngineModelConfig(_StubModelConfig):
+    """What the core Scheduler also reads from ModelConfig."""
+
+    uses_mrope = False
+    is_encoder_decoder = False
+    multimodal_config = None
+    is_diffusion = False
+    supports_multimodal_inputs = False
+    return_sampling_mask = False
+    skip_tokenizer_init = True
+    runner_type = "generate"
+
+
+class MiniEngine:
+    """``real_worker=False`` completes every transfer job without moving bytes (for specs
+    whose worker needs CUDA, e.g. vLLM's own CPUOffloadingSpec)."""
+
+    def __init__(self, extra_config: Mapping[str, Any], *, num_blocks: int = 64,
+                 real_worker: bool = True, connector: str = "OffloadingConnector",
+                 connector_module: str | None = None, max_batched_tokens: int = 2048) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            OffloadingConnector,
+        )
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheGroupSpec,
+            MambaSpec,
+            create_kv_cache_views,
+        )
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        vc = build_vllm_config(extra_config, BLOCK, UNIT)
+        vc.model_config = _EngineModelConfig(8192)  # type: ignore[assignment]
+        vc.cache_config.kv_cache_layout = "LBHNC"
+        vc.scheduler_config.max_num_batched_tokens = max_batched_tokens
+        assert vc.kv_transfer_config is not None
+        vc.kv_transfer_config.kv_connector = connector
+        vc.kv_transfer_config.kv_connector_module_path = connector_module
+        att = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,
+                                dtype=torch.float16)
+        assert att.page_size_bytes == PAGE
+        mamba = MambaSpec(block_size=BLOCK, shapes=((PAGE // 2,),), dtypes=(torch.float16,),
+                          page_size_padded=PAGE, mamba_cache_mode="align")
+        groups = [KVCacheGroupSpec(["attn.0"], att), KVCacheGroupSpec(["mamba.0"], mamba)]
+        cfg = get_kv_cache_config_from_groups(vc, groups, num_blocks * 2 * PAGE)
+        vc.cache_config.num_gpu_blocks = cfg.num_blocks
+        self.num_blocks = cfg.num_blocks
+        self.scheduler = Scheduler(vc, cfg, StructuredOutputManager(vc), block_size=BLOCK,
+                                   hash_block_size=UNIT)
+        # One int8 buffer per KVCacheTensor; per layer a (num_blocks, PAGE) page view for the
+        # fake model and vLLM's own 4-D view for register_kv_caches.
+        self.pages: dict[str, torch.Tensor] = {}
+        views: dict[str, torch.Tensor] = {}
+        for kt in cfg.kv_cache_tensors:
+            buf = torch.zeros(kt.size, dtype=torch.int8)
+            spec = next(g.kv_cache_spec for g in cfg.kv_cache_groups
+                        if kt.layers[0] in g.layer_names)
+            views.update(zip(kt.layers, create_kv_cache_views(
+                buf, spec, cfg.num_blocks, KVCacheLayout.LBHNC, kt), strict=True))
+            for i, layer in enumerate(kt.layers):
+                self.pages[layer] = buf[i * kt.layer_stride:].as_strided(
+                    (cfg.num_blocks, PAGE), (kt.block_stride, 1))
+        self.worker: Any = None
+        if real_worker:
+            worker_cls: Any = OffloadingConnector
+            if connector == "KVOffloadConnector":
+                from kvoffload.connector.vllm import KVOffloadConnector as worker_cls
+            self.worker = worker_cls(vc, KVConnectorRole.WORKER, cfg)
+            self.worker.register_kv_caches(views)
+        self.steps = 0
+        self.prefill_tokens: dict[str, int] = {}  # tokens the model computed per prompt
+        self.on_loaded: Callable[[str], None] | None = None
+        self.failed_loads: set[str] = set()  # requests vLLM was told had failed loads
+        self._stores_due: list[int] = []
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    def add(self, token_ids: list[int], req_id: str, max_tokens: int = 4) -> Any:
+        req = _make_request(token_ids, req_id, UNIT, max_tokens)
+        self.scheduler.add_request(req)
+        return req
+
+    def scribble(self) -> None:
+        """Overwrite every KV byte: afterwards only a load can restore a prefix."""
+        gen = torch.Generator().manual_seed(1234)
+        for page in self.pages.values():
+            page.copy_(torch.randint(-128, 128, page.shape, dtype=torch.int8, generator=gen))
+
+    def block_table(self, req_id: str) -> tuple[list[int], ...]:
+        return self.scheduler.kv_cache_manager.get_block_ids(req_id)
+
+    def _forward(self, out: Any) -> dict[str, list[int]]:
+        for block in out.new_block_ids_to_zero or ():
+            for page in self.pages.values():
+                page[block].zero_()
+        for src, dst in out.kv_cache_block_copies or ():
+            for page in self.pages.values():
+                page[dst].copy_(page[src])
+        sampled: dict[str, list[int]] = {}
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            end = req.num_computed_tokens
+            start = end - n
+            tokens = list(req.all_token_ids)
+            attn, mamba = self.block_table(req_id)
+            for t in range(start, end):
+                self.pages["attn.0"][attn[t // BLOCK], ROW * (t % BLOCK):ROW * (t % BLOCK + 1)] \
+                    = token_row(tokens, t)
+            state_block = mamba[(end - 1) // BLOCK]
+            assert state_block != 0, "the Mamba state block of the step is the null block"
+            self.pages["mamba.0"][state_block].copy_(state_page(tokens[:end]))
+            if start < req.num_prompt_tokens:
+                self.prefill_tokens[req_id] = self.prefill_tokens.get(req_id, 0) + min(
+                    end, req.num_prompt_tokens) - start
+            sampled[req_id] = [1000 + len(tokens)] if end >= req.num_tokens else []
+        return sampled
+
+    def step(self) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        kv_out = KVConnectorOutput()
+        if self.worker is not None:
+            self.worker.handle_preemptions(meta)
+            sampled = self._forward(out)
+            self.worker.bind_connector_metadata(meta)
+            self.worker.start_load_kv(None)
+            self.worker.wait_for_save()
+            # As vLLM's model runner does: completions and load failures together.
+            results = self.worker.get_transfer_results(out.finished_req_ids)
+            recving = results.finished_recving - results.failed_recving
+            kv_out.finished_sending = results.finished_sending
+            kv_out.finished_recving = results.finished_recving
+            kv_out.failed_recving = results.failed_recving
+            self.failed_loads |= results.failed_recving
+            kv_out.kv_connector_worker_meta = self.worker.build_connector_worker_meta()
+            self.worker.clear_connector_metadata()
+            for req_id in recving or ():
+                if self.on_loaded is not None:
+                    self.on_loaded(req_id)
+        else:
+            # Same timing as vLLM's worker with synchronous copies: a store job is submitted
+            # at the start of the next step and reported then; a load in its own step.
+            sampled = self._forward(out)
+            done = OffloadingWorkerMetadata()
+            for job_id in (*meta.load_jobs, *self._stores_due):
+                done.mark_completed(job_id)
+            self._stores_due = list(meta.store_jobs)
+            kv_out.finished_recving = {job.req_id for job in meta.load_jobs.values()}
+            kv_out.kv_connector_worker_meta = done if done.completed_jobs else None
+        ids = list(out.num_scheduled_tokens)
+        runner_out = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[sampled[r] for r in ids], kv_connector_output=kv_out)
+        self.scheduler.update_from_output(out, runner_out)
+        self.steps += 1
+        return out
+
+    def busy(self) -> bool:
+        return bool(self.scheduler.has_requests() or self.connector.has_pending_push_work())
+
+    def run(self, max_steps: int = 200, until: Callable[[], bool] | None = None) -> None:
+        done = until or (lambda: not self.busy())
+        for _ in range(max_steps):
+            if done():
+                return
+            self.step()
+        raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()
