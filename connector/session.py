@@ -86,6 +86,7 @@ class IndexSession:
         self._busy = False
         self._outstanding: dict[int, float] = {}  # rid -> send time of unanswered Steps
         self._sync: set[int] = set()  # of those, the ones the next index read must reflect
+        self._pending_replies: list[p.StepReply] = []  # read early, handed out at begin()
         self.on_lost: Callable[[], None] = lambda: None  # the manager drops what it held
         self.counters = {"attaches": 0, "offline_events": 0, "steps_sent": 0,
                          "replies": 0, "send_failures": 0}
@@ -150,11 +151,16 @@ class IndexSession:
         now = si.now_ns()
         if now - view.heartbeat_ns() > self.liveness_ns:
             return "its heartbeat stopped"
-        # Insertion order: the first outstanding Step is the oldest.
-        if self._outstanding and next(iter(self._outstanding.values())) < \
-                time.monotonic() - self.liveness_ns / 1e9:
-            return "a step message is unanswered"
+        # Insertion order: the first outstanding Step is the oldest. After an idle spell its
+        # reply is usually just unread: read what arrived before judging.
+        if self._outstanding and self._overdue():
+            self._pending_replies.extend(self._poll())
+            if self._outstanding and self._overdue():
+                return "a step message is unanswered"
         return None
+
+    def _overdue(self) -> bool:
+        return next(iter(self._outstanding.values())) < time.monotonic() - self.liveness_ns / 1e9
 
     # -- one step -------------------------------------------------------------------------
 
@@ -176,7 +182,9 @@ class IndexSession:
         # is waited for, briefly: it is almost always there already (the daemon needs ~0.1 ms,
         # a step takes milliseconds), and never longer than ``sync_ms``. Other replies are
         # read at the step's end (``poll``), off vLLM's lookup path.
-        replies = self.wait_replies(self.sync_ms, only_sync=True) if self._sync else []
+        replies, self._pending_replies = self._pending_replies, []
+        if self._sync:
+            replies += self.wait_replies(self.sync_ms, only_sync=True)
         if self.view is None:
             return None  # lost while reading replies
         record.write(True, view.applied, self._sent)  # busy from before the read on

@@ -421,3 +421,28 @@ def test_untested_vllm_is_refused_in_one_line(monkeypatch) -> None:  # type: ign
         check_vllm_version("0.34.0")
     monkeypatch.setenv("KVOFFLOAD_ALLOW_UNTESTED_VLLM", "1")
     check_vllm_version("0.34.0")
+
+
+def test_an_idle_engine_stays_attached(daemon) -> None:  # type: ignore[no-untyped-def]
+    """No step for longer than the liveness window: the replies were only unread, the daemon
+    is alive, and the next step answers from the index without re-attaching."""
+    import time
+
+    from kvoffload.connector.vllm import KVOffloadConnector
+
+    conn = build_scheduler_connector(plugin_config(daemon.control, kvoffload_liveness_ms=300),
+                                     connector_class=KVOffloadConnector)
+    manager = conn.scheduler.manager
+    req = make_request(list(range(700, 730)), "idle")
+    store(connect(daemon.control, manager.geometry),
+          keys_at(req.block_hashes, 3) + keys_at(req.block_hashes, 6))
+    conn.on_new_request(req)
+    assert conn.get_num_new_matched_tokens(req, 0) == (28, True)
+    end_step(conn)  # a Step (its lookup report) goes out; nobody reads the reply yet
+    time.sleep(0.8)
+    again = make_request(list(range(700, 730)), "idle-2")
+    conn.on_new_request(again)
+    assert conn.get_num_new_matched_tokens(again, 0) == (28, True)
+    assert manager.session.counters["offline_events"] == 0
+    assert manager.session.counters["attaches"] == 1
+    manager.shutdown()
