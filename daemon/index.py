@@ -95,6 +95,7 @@ class BlockIndex:
         self.owner = array("H", bytes(2 * n))  # who stored the block (reset of one engine's)
         self.reserved_by: dict[int, object] = {}  # RESERVED slot -> holder (a client)
         self.max_retired = max(64, n // 8)
+        self.free_target = max(2, min(256, n // 16))  # slots kept free (or retiring) ahead
         # Kept on every transition so gauges and stats cost O(1), not a scan of the pool.
         self.n_ready = self.n_pending = self.n_pinned = 0
 
@@ -220,6 +221,28 @@ class BlockIndex:
             return Prepared(None, False, evicted)
         self._occupy(ns, key, slot, SlotState.PENDING, end_token, tail, owner)
         return Prepared(slot, False, evicted)
+
+    def keep_free(self) -> int:
+        """Evict ahead, so a store, a reservation or a promotion finds a slot at once: with
+        engines reading the index an evicted slot is reusable only a moment later (retired),
+        so waiting until the pool is full would refuse the very request that evicted."""
+        if not self.reclaimer.readers:
+            return 0  # nobody reads in place: evicting on demand frees a slot at once
+        target = self.free_target
+        evicted = 0
+        while self.pool.free_slots + self.reclaimer.backlog < target \
+                and self.reclaimer.backlog < self.max_retired:
+            victims = self.policy.victims(1, self._evictable)
+            if not victims:
+                break
+            victim = victims[0]
+            key = self.slot_key[victim]
+            if key is not None:
+                for listener in self.on_evict:
+                    listener(self.namespaces[self.ns_of[victim]], key, victim)
+            self._forget(victim)
+            evicted += 1
+        return evicted
 
     def reserve(self, holder: object, n: int) -> tuple[list[tuple[int, int]],
                                                        list[tuple[Namespace, bytes, int]]]:

@@ -128,6 +128,7 @@ class Server:
                                   read_bytes_per_s=config.disk_read_bytes_per_s)
         if self.tiers is not None:
             self.service.lookups.tiers = self.tiers
+            self.service.steps.tiers = self.tiers  # finds of index-reading engines
         self.http = HttpServer(*config.http_host_port, self.metrics.registry, self.readiness,
                                details=self.bound_endpoints, metrics=self.metrics)
         self._ctx = zmq.asyncio.Context()
@@ -429,6 +430,9 @@ class Server:
             if shared is not None:
                 shared.heartbeat()
                 self.index.reclaim()
+                if ahead := self.index.keep_free():
+                    self.metrics.evictions.labels(self.index.policy.name, "capacity").inc(ahead)
+                    self.service._update_pool_gauges()
             await asyncio.sleep(0.1)
 
     async def _sweep_leases(self) -> None:

@@ -112,6 +112,9 @@ class StepHandler:
             self.totals["lookups_reported"] += 1
         idx.reclaimer.report(client.identity, msg.epoch)
         idx.reclaim()
+        ahead = idx.keep_free()
+        if ahead:
+            m.evictions.labels(idx.policy.name, "capacity").inc(ahead)
         reply.epoch = idx.epoch
         return reply
 
