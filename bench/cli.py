@@ -30,6 +30,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "load": ("kvoffload.bench.load", "run_load_bench"),
     "hybrid_chat": ("kvoffload.bench.hybrid_chat", "run_hybrid_chat_bench"),
     "engine_chat": ("kvoffload.bench.engine_chat", "run_engine_chat_bench"),
+    "sharing": ("kvoffload.bench.sharing", "run_sharing_bench"),
 }
 
 

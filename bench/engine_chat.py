@@ -53,10 +53,27 @@ def _floor(convs: list[list[list[int]]], reply_tokens: int, unit: int = 4) -> in
     return total
 
 
-def _drive(engine: Any, convs: list[list[list[int]]], reply_tokens: int,
-           verify: bool) -> dict[str, Any]:
+def check_loads(engine: Any, prompts: dict[str, list[int]], out: dict[str, Any]) -> Any:
+    """A load-done hook that checks every KV row the request now holds against the tokens."""
     from kvoffload.bench.vllm_engine import BLOCK, ROW, token_row
 
+    def check(req_id: str) -> None:
+        out["loads"] += 1
+        req = engine.scheduler.requests[req_id]
+        attn, _ = engine.block_table(req_id)
+        tokens = prompts[req_id]
+        for t in range(req.num_computed_tokens):
+            row = engine.pages["attn.0"][attn[t // BLOCK], ROW * (t % BLOCK):
+                                         ROW * (t % BLOCK + 1)]
+            if bytes(row.numpy()) != bytes(token_row(tokens, t).numpy()):
+                out["verify_failures"] += 1
+                return
+
+    return check
+
+
+def _drive(engine: Any, convs: list[list[list[int]]], reply_tokens: int,
+           verify: bool) -> dict[str, Any]:
     out = {"prompt_tokens": 0, "recomputed_tokens": 0, "deferrals": 0, "loads": 0,
            "verify_failures": 0}
     original = engine.connector.get_num_new_matched_tokens
@@ -69,21 +86,7 @@ def _drive(engine: Any, convs: list[list[list[int]]], reply_tokens: int,
     engine.connector.get_num_new_matched_tokens = counting
     prompts: dict[str, list[int]] = {}
 
-    def check(req_id: str) -> None:
-        out["loads"] += 1
-        if not verify:
-            return
-        req = engine.scheduler.requests[req_id]
-        attn, _ = engine.block_table(req_id)
-        tokens = prompts[req_id]
-        for t in range(req.num_computed_tokens):
-            row = engine.pages["attn.0"][attn[t // BLOCK], ROW * (t % BLOCK):
-                                         ROW * (t % BLOCK + 1)]
-            if bytes(row.numpy()) != bytes(token_row(tokens, t).numpy()):
-                out["verify_failures"] += 1
-                return
-
-    engine.on_loaded = check
+    engine.on_loaded = check_loads(engine, prompts, out)
     history = [[] for _ in convs]
     for turn in range(len(convs[0])):
         for c, conv in enumerate(convs):

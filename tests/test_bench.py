@@ -294,3 +294,19 @@ def test_without_vllm_the_baseline_suites_say_not_run(monkeypatch, suite: str) -
         assert "vllm" not in r and "ours" not in r  # the plugin path needs vLLM too
     assert r["ratio"] is None and r["meets"] is False
     assert "vLLM cannot be imported" in r["not_run"]
+
+
+@pytest.mark.vllm
+def test_sharing_suite_accounting() -> None:
+    needs_vllm()
+    from kvoffload.bench.sharing import run_sharing_bench
+
+    r = run_sharing_bench(True, conversations=2, turns=3, slots=200, engines=(2,))
+    two = r["engines_2"]
+    ours, theirs = two["ours"], two["vllm"]
+    assert ours["prompt_tokens"] == theirs["prompt_tokens"] > 0  # the same routed workload
+    for v in (ours, theirs):  # offload hits and recomputation never exceed the prompts
+        assert v["offload_hit_tokens"] + v["recomputed_tokens"] <= v["prompt_tokens"]
+    assert ours["loads"] > 0 and ours["verify_failures"] == 0
+    # A conversation's second turn lands on the other engine: only the shared cache has it.
+    assert ours["offload_hit_tokens"] > theirs["offload_hit_tokens"]

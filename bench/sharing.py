@@ -1,0 +1,142 @@
+"""sharing suite: one cache for every engine of the node, against per-engine offload.
+
+2 and 4 engines, each vLLM 0.33's own core ``Scheduler`` + WORKER connector
+(``bench/vllm_engine.py``); conversations' turns are routed round-robin over the engines with
+no prefix affinity (what a load balancer without KV awareness does), so a conversation's next
+turn usually lands on another engine than its last one.
+
+* ``ours``: every engine loads our plugin (``KVOffloadConnector``) against ONE daemon process
+  holding all the host memory; bytes checked on every load;
+* ``vllm``: every engine runs vLLM's own ``CPUOffloadingSpec`` with 1/N of that memory (the same
+  total): an engine only ever finds what it stored itself.
+
+``offload_hit_tokens`` sums the tokens ``get_num_new_matched_tokens`` answered (what the
+offload tier served, GPU prefix-cache hits excluded). ``ratio`` = ours / vllm offload hits with 2
+engines (target >= 1.8), ``ratio_4`` with 4 (target >= 3).
+Run alone: ``python -m kvoffload.bench.sharing [--full]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from kvoffload.bench.engine_chat import SLOT, _conversations, check_loads
+from kvoffload.bench.proc import daemon_process
+from kvoffload.bench.vllm_baseline import vllm_import_error
+
+TARGETS = {2: 1.8, 4: 3.0}
+REPLY = 8
+
+
+def _route(engines: list[Any], convs: list[list[list[int]]]) -> dict[str, int]:
+    """Every turn of every conversation, round-robin over the engines; tallies per variant."""
+    out = {"prompt_tokens": 0, "recomputed_tokens": 0, "offload_hit_tokens": 0, "deferrals": 0,
+           "loads": 0, "verify_failures": 0}
+    prompts: dict[str, list[int]] = {}
+    served: dict[str, int] = {}  # request -> tokens its (last) answered lookup served
+    for e in engines:
+        original = e.connector.get_num_new_matched_tokens
+
+        def counting(request: Any, local: int, original: Any = original) -> Any:
+            hit, is_async = original(request, local)
+            out["deferrals"] += hit is None
+            if hit is not None:
+                served[request.request_id] = hit
+            return hit, is_async
+
+        e.connector.get_num_new_matched_tokens = counting
+    history = [[] for _ in convs]
+    for turn in range(len(convs[0])):
+        for c, conv in enumerate(convs):
+            # Round-robin over arrivals, no affinity: each turn lands on the next engine.
+            e = engines[(c + turn) % len(engines)]
+            prompt = history[c] + conv[turn]
+            req_id = f"c{c}t{turn}"
+            prompts[req_id] = prompt
+            e.on_loaded = check_loads(e, prompts, out)
+            e.add(prompt, req_id, max_tokens=REPLY)
+            e.run(max_steps=2000)
+            out["prompt_tokens"] += len(prompt)
+            out["recomputed_tokens"] += e.prefill_tokens[req_id]
+            history[c] = prompt + [1000 + len(prompt) + i for i in range(REPLY)]
+    out["offload_hit_tokens"] = sum(served.values())
+    return out
+
+
+def _variant(n_engines: int, convs: list[list[list[int]]], slots: int, ours: bool
+             ) -> dict[str, Any]:
+    from kvoffload.bench.vllm_engine import MiniEngine
+
+    if not ours:
+        per = slots * SLOT // n_engines
+        engines = [MiniEngine({"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": per},
+                              real_worker=False, num_blocks=24) for _ in range(n_engines)]
+        try:
+            return _route(engines, convs)
+        finally:
+            for e in engines:
+                e.shutdown()
+    with daemon_process("--lease-ms", "600000", pool_bytes=slots * SLOT,
+                        slot_bytes=0) as (_proc, ready):
+        engines = [MiniEngine({"spec_name": "KVOffloadSpec",
+                               "spec_module_path": "kvoffload.connector.vllm",
+                               "kvoffload_control": ready["control"],
+                               "kvoffload_copy_async": False, "kvoffload_timeout_ms": 5000,
+                               "kvoffload_store_reserve": 16},
+                              connector="KVOffloadConnector",
+                              connector_module="kvoffload.connector.vllm", num_blocks=24)
+                   for _ in range(n_engines)]
+        try:
+            return _route(engines, convs)
+        finally:
+            for e in engines:
+                e.shutdown()
+
+
+def run_sharing_bench(quick: bool = True, *, conversations: int | None = None,
+                      turns: int = 6, slots: int | None = None,
+                      engines: tuple[int, ...] = (2, 4), progress: Any = None) -> dict[str, Any]:
+    say = progress or (lambda _msg: None)
+    n = conversations or (8 if quick else 16)
+    slots = slots or (320 if quick else 640)
+    out: dict[str, Any] = {
+        "ratio": None, "target": TARGETS[2], "meets": False, "conversations": n, "turns": turns,
+        "host_bytes_total": slots * SLOT,
+        "ratio_means": "offload hit tokens, one shared daemon / per-engine vLLM CPU offload with "
+                       "1/N of the memory, 2 engines, round-robin routing",
+    }
+    reason = vllm_import_error()
+    if reason is not None:
+        out["reason"] = out["not_run"] = f"vLLM baseline not run: {reason}"
+        return out
+    convs = _conversations(n, turns, seed=23)
+    missed = []
+    for k in engines:
+        say(f"{k} engines: vLLM per-engine offload, then one shared daemon")
+        theirs = _variant(k, convs, slots, ours=False)
+        mine = _variant(k, convs, slots, ours=True)
+        # Per-engine offload that never sees a conversation twice serves nothing at all.
+        ratio = (round(mine["offload_hit_tokens"] / theirs["offload_hit_tokens"], 3)
+                 if theirs["offload_hit_tokens"] else float("inf"))
+        out[f"engines_{k}"] = {"ours": mine, "vllm": theirs, "ratio": ratio,
+                               "target": TARGETS.get(k)}
+        if k in TARGETS and ratio < TARGETS[k]:
+            missed.append(f"{k} engines: {ratio} < {TARGETS[k]}")
+        if mine["verify_failures"]:
+            missed.append(f"{k} engines: {mine['verify_failures']} loads with wrong bytes")
+    out["ratio"] = out.get("engines_2", {}).get("ratio")
+    out["ratio_4"] = out.get("engines_4", {}).get("ratio")
+    out["meets"] = not missed
+    out["reason"] = "; ".join(missed) if missed else "all sub-targets met"
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    print(json.dumps(run_sharing_bench(quick="--full" not in sys.argv,
+                                       progress=lambda m: print(f"  {m} ...", file=sys.stderr)),
+                     indent=2))
