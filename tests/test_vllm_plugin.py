@@ -446,3 +446,41 @@ def test_an_idle_engine_stays_attached(daemon) -> None:  # type: ignore[no-untyp
     assert manager.session.counters["offline_events"] == 0
     assert manager.session.counters["attaches"] == 1
     manager.shutdown()
+
+
+def test_a_frozen_daemon_means_misses_then_the_plugin_comes_back(daemon) -> None:  # type: ignore[no-untyped-def]
+    """SIGSTOP: past the liveness window lookups answer MISS without waiting on the daemon;
+    after SIGCONT the plugin re-attaches by itself and hits again."""
+    import os
+    import signal
+    import time
+
+    conn = build_scheduler_connector(plugin_config(
+        daemon.control, kvoffload_liveness_ms=300, kvoffload_retry_ms=200,
+        kvoffload_timeout_ms=300))
+    manager = conn.scheduler.manager
+    req = make_request(list(range(800, 830)), "frozen")
+    store(connect(daemon.control, manager.geometry),
+          keys_at(req.block_hashes, 3) + keys_at(req.block_hashes, 6))
+    assert daemon.proc is not None
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.6)  # the index heartbeat goes stale
+        conn.on_new_request(req)
+        assert conn.get_num_new_matched_tokens(req, 0) == (0, False)  # MISS, nothing waited on
+        end_step(conn)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert manager.session.counters["offline_events"] >= 1
+    deadline = time.monotonic() + 30
+    hit = None
+    while time.monotonic() < deadline:
+        again = make_request(list(range(800, 830)), f"thawed-{time.monotonic()}")
+        conn.on_new_request(again)
+        hit, _ = conn.get_num_new_matched_tokens(again, 0)
+        end_step(conn)
+        if hit == 28:
+            break
+        time.sleep(0.05)
+    assert hit == 28 and manager.session.counters["attaches"] >= 2
+    manager.shutdown()
