@@ -120,13 +120,12 @@ def run_engine_chat_bench(quick: bool = True, *, conversations: int | None = Non
     if reason is not None:
         out["reason"] = out["not_run"] = f"vLLM baseline not run: {reason}"
         return out
-    from kvoffload.bench.vllm_engine import MiniEngine
+    from kvoffload.bench.vllm_engine import plugin_engine, vllm_cpu_engine
 
     convs = _conversations(n, turns, seed=11)
     say("vLLM's own CPU offloading")
-    theirs = MiniEngine({"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": slots * SLOT,
-                         "offload_prompt_only": prompt_only},
-                        real_worker=False, num_blocks=gpu_blocks)
+    theirs = vllm_cpu_engine(slots * SLOT, gpu_blocks=gpu_blocks,
+                             offload_prompt_only=prompt_only)
     try:
         out["vllm"] = _drive(theirs, convs, 8, verify=False)
     finally:
@@ -135,13 +134,8 @@ def run_engine_chat_bench(quick: bool = True, *, conversations: int | None = Non
     # Slots sized by the engine's own block (slot_bytes 0): the same bytes per block as vLLM.
     with daemon_process("--lease-ms", "600000", pool_bytes=slots * SLOT,
                         slot_bytes=0) as (_proc, ready):
-        ours = MiniEngine({"spec_name": "KVOffloadSpec",
-                           "spec_module_path": "kvoffload.connector.vllm",
-                           "kvoffload_control": ready["control"],
-                           "kvoffload_copy_async": False, "kvoffload_timeout_ms": 5000,
-                           "offload_prompt_only": prompt_only},
-                          connector="KVOffloadConnector",
-                          connector_module="kvoffload.connector.vllm", num_blocks=gpu_blocks)
+        ours = plugin_engine(ready["control"], gpu_blocks=gpu_blocks,
+                             offload_prompt_only=prompt_only)
         try:
             out["ours"] = _drive(ours, convs, 8, verify=True)
             out["ours"]["manager"] = dict(ours.connector.scheduler.manager.counters)

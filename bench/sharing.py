@@ -68,12 +68,11 @@ def _route(engines: list[Any], convs: list[list[list[int]]]) -> dict[str, int]:
 
 def _variant(n_engines: int, convs: list[list[list[int]]], slots: int, ours: bool
              ) -> dict[str, Any]:
-    from kvoffload.bench.vllm_engine import MiniEngine
+    from kvoffload.bench.vllm_engine import plugin_engine, vllm_cpu_engine
 
     if not ours:
         per = slots * SLOT // n_engines
-        engines = [MiniEngine({"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": per},
-                              real_worker=False, num_blocks=24) for _ in range(n_engines)]
+        engines = [vllm_cpu_engine(per, gpu_blocks=24) for _ in range(n_engines)]
         try:
             return _route(engines, convs)
         finally:
@@ -81,13 +80,7 @@ def _variant(n_engines: int, convs: list[list[list[int]]], slots: int, ours: boo
                 e.shutdown()
     with daemon_process("--lease-ms", "600000", pool_bytes=slots * SLOT,
                         slot_bytes=0) as (_proc, ready):
-        engines = [MiniEngine({"spec_name": "KVOffloadSpec",
-                               "spec_module_path": "kvoffload.connector.vllm",
-                               "kvoffload_control": ready["control"],
-                               "kvoffload_copy_async": False, "kvoffload_timeout_ms": 5000,
-                               "kvoffload_store_reserve": 16},
-                              connector="KVOffloadConnector",
-                              connector_module="kvoffload.connector.vllm", num_blocks=24)
+        engines = [plugin_engine(ready["control"], gpu_blocks=24, kvoffload_store_reserve=16)
                    for _ in range(n_engines)]
         try:
             return _route(engines, convs)

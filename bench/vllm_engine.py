@@ -230,3 +230,19 @@ class MiniEngine:
         self.connector.shutdown()
         if self.worker is not None:
             self.worker.shutdown()
+
+
+def plugin_engine(control: str, *, gpu_blocks: int = 64, **extra: Any) -> MiniEngine:
+    """An engine running our plugin (``KVOffloadConnector``) against the daemon at ``control``."""
+    return MiniEngine({"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.connector.vllm",
+                       "kvoffload_control": control, "kvoffload_copy_async": False,
+                       "kvoffload_timeout_ms": 5000, **extra},
+                      connector="KVOffloadConnector", connector_module="kvoffload.connector.vllm",
+                      num_blocks=gpu_blocks)
+
+
+def vllm_cpu_engine(host_bytes: int, *, gpu_blocks: int = 64, **extra: Any) -> MiniEngine:
+    """An engine running vLLM's own ``CPUOffloadingSpec`` with ``host_bytes`` of memory (its
+    worker needs CUDA: transfers complete without moving bytes, decisions are vLLM's own)."""
+    return MiniEngine({"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host_bytes,
+                       **extra}, real_worker=False, num_blocks=gpu_blocks)
