@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 
 from tests.daemon_helpers import run_daemon
 
@@ -36,3 +37,20 @@ def test_demo_against_running_daemon(tmp_path) -> None:
         s = demo("--connect", d.control, "--requests", "60", "--preset", "qwen3-next-80b-tp4")
         check(s)
         assert s["round_trips_per_request"] <= 5
+
+
+def test_demo_asks_deferred_lookups_again_and_shows_disk_hits(tmp_path) -> None:
+    """Against a daemon whose small pool spills to a disk tier, answers deferred while a block
+    is promoted are asked again on a later step and served, instead of counted as misses."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    with run_daemon(tmp_path, "--disk-dir", str(disk), "--disk-bytes", str(1 << 30),
+                    pool_bytes=16 << 20) as d:
+        s = demo("--connect", d.control, "--requests", "150")
+        check(s)
+        assert s["deferred_steps"] > 0 and s["gave_up"] == 0
+        with urllib.request.urlopen(f"{d.http_url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        ok = [line for line in text.splitlines()
+              if line.startswith("kvoffload_tier_promotions_total") and 'outcome="ok"' in line]
+        assert ok and float(ok[0].rsplit(" ", 1)[1]) > 0, ok  # blocks came back from disk
