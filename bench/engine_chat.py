@@ -26,7 +26,7 @@ import sys
 from typing import Any
 
 from kvoffload.bench.proc import daemon_process
-from kvoffload.bench.vllm_baseline import vllm_import_error
+from kvoffload.bench.vllm_baseline import mark_not_run
 
 TARGET = 0.6
 DEFERRAL_SLACK = 2
@@ -116,9 +116,7 @@ def run_engine_chat_bench(quick: bool = True, *, conversations: int | None = Non
         "ratio_means": "prompt tokens recomputed, ours / vLLM's CPUOffloadingManager, through "
                        "vLLM 0.33's core Scheduler, same workload, same host bytes",
     }
-    reason = vllm_import_error()
-    if reason is not None:
-        out["reason"] = out["not_run"] = f"vLLM baseline not run: {reason}"
+    if mark_not_run(out):
         return out
     from kvoffload.bench.vllm_engine import plugin_engine, vllm_cpu_engine
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvoffload.bench.proc import daemon_process
 from kvoffload.bench.sim import EmbeddedDaemon, percentile
-from kvoffload.bench.vllm_baseline import vllm_import_error
+from kvoffload.bench.vllm_baseline import mark_not_run
 from kvoffload.bench.workload import PRESETS, block_hashes
 from kvoffload.connector.client import DaemonClient
 from kvoffload.daemon import protocol as p
@@ -248,10 +248,7 @@ def run_lookup_bench(quick: bool = True, *, samples: int | None = None,
                   "rounds of 25; fresh request state and the scheduler step closed after each "
                   "lookup, untimed, for both",
     }
-    reason = vllm_import_error()
-    if reason is not None:
-        out["not_run"] = f"vLLM baseline not run: {reason}"
-        out["reason"] = out["not_run"]
+    if mark_not_run(out):
         return out
     rng = random.Random(7)
     tokens = [rng.randrange(150_000) for _ in range(PROMPT_TOKENS)]

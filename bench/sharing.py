@@ -25,7 +25,7 @@ from typing import Any
 
 from kvoffload.bench.engine_chat import SLOT, _conversations, check_loads
 from kvoffload.bench.proc import daemon_process
-from kvoffload.bench.vllm_baseline import vllm_import_error
+from kvoffload.bench.vllm_baseline import mark_not_run
 
 TARGETS = {2: 1.8, 4: 3.0}
 REPLY = 8
@@ -101,9 +101,7 @@ def run_sharing_bench(quick: bool = True, *, conversations: int | None = None,
         "ratio_means": "offload hit tokens, one shared daemon / per-engine vLLM CPU offload with "
                        "1/N of the memory, 2 engines, round-robin routing",
     }
-    reason = vllm_import_error()
-    if reason is not None:
-        out["reason"] = out["not_run"] = f"vLLM baseline not run: {reason}"
+    if mark_not_run(out):
         return out
     convs = _conversations(n, turns, seed=23)
     missed = []

@@ -25,6 +25,16 @@ from kvoffload.daemon.types import Geometry, GroupKind
 SPEC_NAME = "BaselineCPUOffloadingSpec"
 
 
+def mark_not_run(out: dict[str, Any]) -> bool:
+    """True (and the reason in ``out``) when vLLM 0.33 is missing: a suite that compares
+    against vLLM's own code never reports a ratio without it."""
+    reason = vllm_import_error()
+    if reason is None:
+        return False
+    out["reason"] = out["not_run"] = f"vLLM baseline not run: {reason}"
+    return True
+
+
 @functools.cache
 def vllm_import_error() -> str | None:
     """None when vLLM 0.33 imports here, else why not (shown as the reason a suite did not run)."""

@@ -350,7 +350,12 @@ class Service:
         return p.Ack(rid=msg.rid, count=len(slots))
 
     def step(self, client: ClientState, msg: p.Step) -> p.StepReply:
-        reply = self.steps.handle(client, self._ns(msg.engine), msg)
+        ns = self._ns(msg.engine)
+        # Every key it names, checked before anything changes (a bad one refuses the step).
+        self._check_keys(ns, [r.key for refs in (msg.pins, msg.releases, msg.commits,
+                                                 msg.aborts) for r in refs]
+                         + [c.item.key for c in msg.claims] + list(msg.finds))
+        reply = self.steps.handle(client, ns, msg)
         self._update_pool_gauges()
         return reply
 

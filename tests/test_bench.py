@@ -285,7 +285,11 @@ def test_without_vllm_the_baseline_suites_say_not_run(monkeypatch, suite: str) -
     import importlib
 
     module = importlib.import_module(f"kvoffload.bench.{suite}")
-    monkeypatch.setattr(module, "vllm_import_error", lambda: "vLLM cannot be imported: test")
+    import kvoffload.bench.vllm_baseline as baseline
+
+    missing = lambda: "vLLM cannot be imported: test"  # noqa: E731
+    monkeypatch.setattr(module, "vllm_import_error", missing, raising=False)
+    monkeypatch.setattr(baseline, "vllm_import_error", missing)
     if suite == "hybrid_chat":
         r = module.run_hybrid_chat_bench(True, requests=10)
         assert "vllm" not in r["variants"] and "ours" in r["variants"]

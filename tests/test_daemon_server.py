@@ -273,3 +273,21 @@ def test_cost_aware_tails_neither_loaded_nor_stored_when_they_cannot_pay(daemon)
     assert slow.lookup([query()])[0].hit_tokens == 28
     for c in (writer, cheap, slow):
         c.close()
+
+
+def test_a_step_with_a_bad_key_is_refused_whole(tmp_path) -> None:
+    """A Step naming a malformed key gets a typed error and changes nothing (no reservation,
+    no claim), and a reserving Step of the same client still works afterwards."""
+    with run_daemon(tmp_path, pool_bytes=1 << 20, slot_bytes=1024) as d:
+        c = DaemonClient(d.control, timeout_ms=5000)
+        engine = c.register(EXAMPLE).engine
+        free = c.stats()["free_slots"]
+        bad = c.call(p.Step(rid=c.rid(), engine=engine, epoch=0, reserve=4, finds=[b"x"],
+                            claims=[p.StoreClaim(item=p.StoreItem(key=b"\x01", end_token=4),
+                                                 slot=0, gen=1)]))
+        assert isinstance(bad, p.Error) and bad.code == p.ErrorCode.BAD_REQUEST
+        assert c.stats()["free_slots"] == free
+        ok = c.call(p.Step(rid=c.rid(), engine=engine, epoch=0, reserve=4))
+        assert isinstance(ok, p.StepReply) and len(ok.granted) == 4
+        assert c.stats()["free_slots"] == free - 4
+        c.close()

@@ -181,8 +181,14 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         assert isinstance(pool_spec, PoolSlotsSpec), f"not our spec: {pool_spec!r}"
         pool = pool_spec.pool
         gen_of = dict(zip(pool_spec.slots, pool_spec.gens, strict=False))
-        items = [it for it in items_for_groups(gpu.block_ids, gpu.group_sizes, pool_spec.slots)
-                 if it[2] >= 0]
+        try:
+            items = [it for it in items_for_groups(gpu.block_ids, gpu.group_sizes,
+                                                   pool_spec.slots) if it[2] >= 0]
+        except ValueError as exc:  # blocks and slots disagree: a bug, reported, never raised
+            log.error("kvoffload job %d: %s", job_id, exc)
+            self._done.append(TransferResult(job_id=job_id, success=False) if store else
+                              self._failed_load(job_id, pool_spec.req_id, expedited))
+            return True
         if store:
             # Write only into slots still reserved for us at the spec's generation; a slot
             # lost meanwhile is not written (its commit is refused: never readable).
