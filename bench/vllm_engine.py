@@ -12,14 +12,21 @@ loads, ``wait_for_save``, ``get_finished``, worker metadata. What the forward wr
 * Mamba (group 1, align mode): the whole state page of ``table[(end - 1) // 16]`` becomes
   ``state_page(tokens[:end])`` once the step computed tokens up to ``end``.
 
-So every byte a load restores can be predicted from the token ids alone.
+So every byte a load restores can be predicted from the token ids alone. Those figures are
+the default ``Shape``; another ``Shape`` (a preset's block size, hash unit and Mamba groups,
+with a few bytes per token) writes ``token_rows`` (vectorised) and one state page per Mamba
+group. A request added with a scripted ``reply`` samples that reply, up to a block edge per
+step (vLLM's align-mode split replays them like a resumed request), so long replies cost a
+few steps, not one per token.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -42,9 +49,41 @@ def token_row(tokens: list[int], t: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(seed), dtype=torch.int8).clone()
 
 
-def state_page(prefix: list[int]) -> torch.Tensor:
-    digest = hashlib.sha256(repr(prefix).encode()).digest()
-    return torch.frombuffer(bytearray(digest * (PAGE // 32)), dtype=torch.int8).clone()
+def state_page(prefix: list[int], page: int = PAGE, group: int = 0) -> torch.Tensor:
+    text = repr(prefix) if group == 0 else f"{group}:{prefix!r}"
+    digest = hashlib.sha256(text.encode()).digest()
+    return torch.frombuffer(bytearray(digest * (page // 32)), dtype=torch.int8).clone()
+
+
+_MIX = (0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D)  # all < 2**63
+
+
+def token_rows(tokens: list[int], start: int, end: int, row: int = ROW) -> torch.Tensor:
+    """``(end - start, row)`` int8: token ``t``'s KV bytes. The default row is ``token_row``;
+    other sizes (multiples of 8) mix token id and position in int64 arithmetic, vectorised."""
+    if row == ROW:
+        return torch.stack([token_row(tokens, t) for t in range(start, end)])
+    pos = torch.arange(start, end, dtype=torch.int64)
+    x = torch.tensor(tokens[start:end], dtype=torch.int64) * _MIX[0] + pos * _MIX[1] + 1
+    x = x[:, None] * (torch.arange(1, row // 8 + 1, dtype=torch.int64) * _MIX[2])[None]
+    for shift in (29, 32, 17):  # wrap-around products and shifts: every bit depends on both
+        x = (x ^ (x >> shift)) * _MIX[shift % 3]
+    return x.contiguous().view(torch.int8).reshape(end - start, row)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The engine's token geometry: block size, hash unit, Mamba groups, KV bytes per token."""
+
+    block: int = BLOCK
+    unit: int = UNIT
+    mamba_groups: int = 1
+    row: int = ROW  # attention bytes per token; a page is block * row bytes in every group
+    max_model_len: int = 8192
+
+    @property
+    def page(self) -> int:
+        return self.block * self.row
 
 
 class _EngineModelConfig(_StubModelConfig):
@@ -66,7 +105,8 @@ class MiniEngine:
 
     def __init__(self, extra_config: Mapping[str, Any], *, num_blocks: int = 64,
                  real_worker: bool = True, connector: str = "OffloadingConnector",
-                 connector_module: str | None = None, max_batched_tokens: int = 2048) -> None:
+                 connector_module: str | None = None, max_batched_tokens: int = 2048,
+                 shape: Shape = Shape()) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
             OffloadingConnector,
@@ -82,24 +122,28 @@ class MiniEngine:
         from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.structured_output import StructuredOutputManager
 
-        vc = build_vllm_config(extra_config, BLOCK, UNIT)
-        vc.model_config = _EngineModelConfig(8192)  # type: ignore[assignment]
+        self.shape = sh = shape
+        vc = build_vllm_config(extra_config, sh.block, sh.unit, max_model_len=sh.max_model_len)
+        vc.model_config = _EngineModelConfig(sh.max_model_len)  # type: ignore[assignment]
         vc.cache_config.kv_cache_layout = "LBHNC"
         vc.scheduler_config.max_num_batched_tokens = max_batched_tokens
         assert vc.kv_transfer_config is not None
         vc.kv_transfer_config.kv_connector = connector
         vc.kv_transfer_config.kv_connector_module_path = connector_module
-        att = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,
+        att = FullAttentionSpec(block_size=sh.block, num_kv_heads=1, head_size=sh.row // 4,
                                 dtype=torch.float16)
-        assert att.page_size_bytes == PAGE
-        mamba = MambaSpec(block_size=BLOCK, shapes=((PAGE // 2,),), dtypes=(torch.float16,),
-                          page_size_padded=PAGE, mamba_cache_mode="align")
-        groups = [KVCacheGroupSpec(["attn.0"], att), KVCacheGroupSpec(["mamba.0"], mamba)]
-        cfg = get_kv_cache_config_from_groups(vc, groups, num_blocks * 2 * PAGE)
+        assert att.page_size_bytes == sh.page
+        mamba = MambaSpec(block_size=sh.block, shapes=((sh.page // 2,),),
+                          dtypes=(torch.float16,), page_size_padded=sh.page,
+                          mamba_cache_mode="align")
+        self.mamba_layers = [f"mamba.{i}" for i in range(sh.mamba_groups)]
+        groups = [KVCacheGroupSpec(["attn.0"], att)] + [
+            KVCacheGroupSpec([name], mamba) for name in self.mamba_layers]
+        cfg = get_kv_cache_config_from_groups(vc, groups, num_blocks * len(groups) * sh.page)
         vc.cache_config.num_gpu_blocks = cfg.num_blocks
         self.num_blocks = cfg.num_blocks
-        self.scheduler = Scheduler(vc, cfg, StructuredOutputManager(vc), block_size=BLOCK,
-                                   hash_block_size=UNIT)
+        self.scheduler = Scheduler(vc, cfg, StructuredOutputManager(vc), block_size=sh.block,
+                                   hash_block_size=sh.unit)
         # One int8 buffer per KVCacheTensor; per layer a (num_blocks, PAGE) page view for the
         # fake model and vLLM's own 4-D view for register_kv_caches.
         self.pages: dict[str, torch.Tensor] = {}
@@ -112,7 +156,7 @@ class MiniEngine:
                 buf, spec, cfg.num_blocks, KVCacheLayout.LBHNC, kt), strict=True))
             for i, layer in enumerate(kt.layers):
                 self.pages[layer] = buf[i * kt.layer_stride:].as_strided(
-                    (cfg.num_blocks, PAGE), (kt.block_stride, 1))
+                    (cfg.num_blocks, sh.page), (kt.block_stride, 1))
         self.worker: Any = None
         if real_worker:
             worker_cls: Any = OffloadingConnector
@@ -125,13 +169,21 @@ class MiniEngine:
         self.on_loaded: Callable[[str], None] | None = None
         self.failed_loads: set[str] = set()  # requests vLLM was told had failed loads
         self._stores_due: list[int] = []
+        self.replies: dict[str, list[int]] = {}  # scripted replies, sampled a block at a time
+        self.first_start: dict[str, int] = {}  # tokens already computed at a request's 1st step
+        self.scheduler_seconds = 0.0  # in schedule() and update_from_output(), all steps
 
     @property
     def connector(self) -> Any:
         return self.scheduler.connector
 
-    def add(self, token_ids: list[int], req_id: str, max_tokens: int = 4) -> Any:
-        req = _make_request(token_ids, req_id, UNIT, max_tokens)
+    def add(self, token_ids: list[int], req_id: str, max_tokens: int = 4,
+            reply: list[int] | None = None) -> Any:
+        """``reply``: the tokens the fake model samples (``max_tokens`` becomes its length)."""
+        if reply:
+            self.replies[req_id] = list(reply)
+            max_tokens = len(reply)
+        req = _make_request(token_ids, req_id, self.shape.unit, max_tokens)
         self.scheduler.add_request(req)
         return req
 
@@ -152,23 +204,61 @@ class MiniEngine:
             for page in self.pages.values():
                 page[dst].copy_(page[src])
         sampled: dict[str, list[int]] = {}
+        sh = self.shape
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
             end = req.num_computed_tokens
             start = end - n
             tokens = list(req.all_token_ids)
-            attn, mamba = self.block_table(req_id)
-            for t in range(start, end):
-                self.pages["attn.0"][attn[t // BLOCK], ROW * (t % BLOCK):ROW * (t % BLOCK + 1)] \
-                    = token_row(tokens, t)
-            state_block = mamba[(end - 1) // BLOCK]
-            assert state_block != 0, "the Mamba state block of the step is the null block"
-            self.pages["mamba.0"][state_block].copy_(state_page(tokens[:end]))
+            self.first_start.setdefault(req_id, start)
+            attn, *mambas = self.block_table(req_id)
+            rows = token_rows(tokens, start, end, sh.row)
+            for b in range(start // sh.block, (end - 1) // sh.block + 1):
+                lo, hi = max(start, b * sh.block), min(end, (b + 1) * sh.block)
+                self.pages["attn.0"][attn[b], sh.row * (lo - b * sh.block):
+                                     sh.row * (hi - b * sh.block)] = rows[
+                    lo - start:hi - start].reshape(-1)
+            for g, (layer, mamba) in enumerate(zip(self.mamba_layers, mambas, strict=True)):
+                state_block = mamba[(end - 1) // sh.block]
+                assert state_block != 0, "the Mamba state block of the step is the null block"
+                self.pages[layer][state_block].copy_(state_page(tokens[:end], sh.page, g))
             if start < req.num_prompt_tokens:
                 self.prefill_tokens[req_id] = self.prefill_tokens.get(req_id, 0) + min(
                     end, req.num_prompt_tokens) - start
-            sampled[req_id] = [1000 + len(tokens)] if end >= req.num_tokens else []
+            sampled[req_id] = self._sample(req_id, req, end) if end >= req.num_tokens else []
         return sampled
+
+    def _sample(self, req_id: str, req: Any, end: int) -> list[int]:
+        script = self.replies.get(req_id)
+        if script is None:
+            return [1000 + end]
+        done = len(req.output_token_ids)
+        # Up to the next block edge: the next step computes them like a resumed prefill.
+        take = max(1, (end // self.shape.block + 1) * self.shape.block - end)
+        return script[done:done + take] or [1000 + end]
+
+    def verify(self, req_id: str, tokens: list[int]) -> bool:
+        """Whether the KV bytes of the request's computed tokens are what the model would have
+        written: every attention row, and each Mamba group's state at the computed end."""
+        sh = self.shape
+        upto = self.scheduler.requests[req_id].num_computed_tokens
+        if upto == 0:
+            return True
+        attn, *mambas = self.block_table(req_id)
+        want = token_rows(tokens, 0, upto, sh.row)
+        page = self.pages["attn.0"]
+        for b in range(0, (upto - 1) // sh.block + 1):
+            hi = min(upto, (b + 1) * sh.block)
+            got = page[attn[b], :sh.row * (hi - b * sh.block)]
+            if not torch.equal(got, want[b * sh.block:hi].reshape(-1)):
+                return False
+        if upto % sh.unit == 0:  # a state exists only at a hash boundary
+            for g, (layer, mamba) in enumerate(zip(self.mamba_layers, mambas, strict=True)):
+                block = mamba[(upto - 1) // sh.block]
+                if block and not torch.equal(self.pages[layer][block],
+                                             state_page(tokens[:upto], sh.page, g)):
+                    return False
+        return True
 
     def step(self) -> Any:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -176,7 +266,9 @@ class MiniEngine:
         )
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        self.scheduler_seconds += time.perf_counter() - t0
         meta = out.kv_connector_metadata
         kv_out = KVConnectorOutput()
         if self.worker is not None:
@@ -207,11 +299,16 @@ class MiniEngine:
             self._stores_due = list(meta.store_jobs)
             kv_out.finished_recving = {job.req_id for job in meta.load_jobs.values()}
             kv_out.kv_connector_worker_meta = done if done.completed_jobs else None
+            for req_id in kv_out.finished_recving:
+                if self.on_loaded is not None:
+                    self.on_loaded(req_id)
         ids = list(out.num_scheduled_tokens)
         runner_out = ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[sampled[r] for r in ids], kv_connector_output=kv_out)
+        t0 = time.perf_counter()
         self.scheduler.update_from_output(out, runner_out)
+        self.scheduler_seconds += time.perf_counter() - t0
         self.steps += 1
         return out
 
@@ -232,17 +329,19 @@ class MiniEngine:
             self.worker.shutdown()
 
 
-def plugin_engine(control: str, *, gpu_blocks: int = 64, **extra: Any) -> MiniEngine:
+def plugin_engine(control: str, *, gpu_blocks: int = 64, shape: Shape = Shape(),
+                  **extra: Any) -> MiniEngine:
     """An engine running our plugin (``KVOffloadConnector``) against the daemon at ``control``."""
     return MiniEngine({"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.connector.vllm",
                        "kvoffload_control": control, "kvoffload_copy_async": False,
                        "kvoffload_timeout_ms": 5000, **extra},
                       connector="KVOffloadConnector", connector_module="kvoffload.connector.vllm",
-                      num_blocks=gpu_blocks)
+                      num_blocks=gpu_blocks, shape=shape)
 
 
-def vllm_cpu_engine(host_bytes: int, *, gpu_blocks: int = 64, **extra: Any) -> MiniEngine:
+def vllm_cpu_engine(host_bytes: int, *, gpu_blocks: int = 64, shape: Shape = Shape(),
+                    **extra: Any) -> MiniEngine:
     """An engine running vLLM's own ``CPUOffloadingSpec`` with ``host_bytes`` of memory (its
     worker needs CUDA: transfers complete without moving bytes, decisions are vLLM's own)."""
     return MiniEngine({"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host_bytes,
-                       **extra}, real_worker=False, num_blocks=gpu_blocks)
+                       **extra}, real_worker=False, num_blocks=gpu_blocks, shape=shape)
