@@ -215,10 +215,23 @@ def run_load_bench(quick: bool = False) -> dict[str, Any]:
     growth = out["rss_growth"]
     meets = (out["errors"] == 0 and out["daemon_protocol_errors"] == 0
              and out["ops_min_client"] > 0 and growth < RSS_GROWTH_TARGET and out["daemon_alive"])
+    missed = []
+    if out["errors"]:
+        missed.append(f"{out['errors']} client errors (target 0)")
+    if out["daemon_protocol_errors"]:
+        missed.append(f"{out['daemon_protocol_errors']:g} daemon protocol errors (target 0)")
+    if out["ops_min_client"] <= 0:
+        missed.append("a client made no progress (slowest client: 0 ops)")
+    if growth >= RSS_GROWTH_TARGET:
+        missed.append(f"daemon RSS grew {growth * 100:.1f} % after warm-up "
+                      f"(target < {RSS_GROWTH_TARGET * 100:.0f} %)")
+    if not out["daemon_alive"]:
+        missed.append("the daemon exited during the run")
     # ratio: RSS growth against the allowed growth (lower is better; <1 meets the memory bar).
     return {"ratio": round(max(growth, 0.0) / RSS_GROWTH_TARGET, 3),
             "target": "zero errors, every client progresses, daemon RSS growth < 10 %",
-            "meets": meets, **out}
+            "meets": meets, "reason": "; ".join(missed) if missed else "all sub-targets met",
+            **out}
 
 
 if __name__ == "__main__":

@@ -300,6 +300,11 @@ def run_lookup_bench(quick: bool = True, *, samples: int | None = None,
                                                  ("big_ratio", TARGET),
                                                  ("big_p99_ratio", P99_TARGET))
               if out[k] > t]
+    if out["blocking_round_trips_per_lookup"]:
+        missed.append(f"blocking_round_trips_per_lookup {out['blocking_round_trips_per_lookup']}"
+                      " > 0")
+    if not out["answers_agree"]:
+        missed.append("hit tokens differ between ours, ours_big and vLLM")
     out["reason"] = "; ".join(missed) if missed else "all sub-targets met"
     return out
 

@@ -36,7 +36,7 @@ def daemon_process(*args: str, pool_bytes: int = 64 << 20, slot_bytes: int = 102
                     raise RuntimeError("daemon did not start: "
                                        f"{(Path(tmp) / 'daemon.log').read_text()[-2000:]}")
                 time.sleep(0.02)
-            yield proc, json.loads(ready.read_text())
+            yield proc, {"pool_path": pool_path, **json.loads(ready.read_text())}
         finally:
             proc.terminate()
             try:

@@ -31,8 +31,10 @@ TARGETS = {2: 1.8, 4: 3.0}
 REPLY = 8
 
 
-def _route(engines: list[Any], convs: list[list[list[int]]]) -> dict[str, int]:
-    """Every turn of every conversation, round-robin over the engines; tallies per variant."""
+def _route(engines: list[Any], convs: list[list[list[int]]],
+           between_turns: Any = None) -> dict[str, int]:
+    """Every turn of every conversation, round-robin over the engines; tallies per variant.
+    ``between_turns(turn)`` runs after every conversation's turn ``turn`` (tests tamper)."""
     out = {"prompt_tokens": 0, "recomputed_tokens": 0, "offload_hit_tokens": 0, "deferrals": 0,
            "loads": 0, "verify_failures": 0}
     prompts: dict[str, list[int]] = {}
@@ -48,7 +50,7 @@ def _route(engines: list[Any], convs: list[list[list[int]]]) -> dict[str, int]:
             return hit, is_async
 
         e.connector.get_num_new_matched_tokens = counting
-    history = [[] for _ in convs]
+    history: list[list[int]] = [[] for _ in convs]
     for turn in range(len(convs[0])):
         for c, conv in enumerate(convs):
             # Round-robin over arrivals, no affinity: each turn lands on the next engine.
@@ -56,12 +58,16 @@ def _route(engines: list[Any], convs: list[list[list[int]]]) -> dict[str, int]:
             prompt = history[c] + conv[turn]
             req_id = f"c{c}t{turn}"
             prompts[req_id] = prompt
-            e.on_loaded = check_loads(e, prompts, out)
+            # A TP engine's ranks check in their own processes.
+            checker = getattr(e, "load_checker", None)
+            e.on_loaded = checker(prompts, out) if checker else check_loads(e, prompts, out)
             e.add(prompt, req_id, max_tokens=REPLY)
             e.run(max_steps=2000)
             out["prompt_tokens"] += len(prompt)
             out["recomputed_tokens"] += e.prefill_tokens[req_id]
             history[c] = prompt + [1000 + len(prompt) + i for i in range(REPLY)]
+        if between_turns is not None:
+            between_turns(turn)
     out["offload_hit_tokens"] = sum(served.values())
     return out
 
@@ -89,9 +95,35 @@ def _variant(n_engines: int, convs: list[list[list[int]]], slots: int, ours: boo
                 e.shutdown()
 
 
+def run_tp_variant(convs: list[list[list[int]]], slots: int, *, engines: int = 2,
+                   world: int = 2, between_turns: Any = None) -> dict[str, Any]:
+    """``engines`` engines of ``world`` TP ranks each (a process per rank) on one daemon,
+    round-robin; every load checked on every rank in its own process."""
+    from kvoffload.bench.sharing_tp import TPEngine
+
+    with daemon_process("--lease-ms", "600000", pool_bytes=slots * SLOT * world,
+                        slot_bytes=0) as (_proc, ready):
+        started: list[Any] = []
+        try:
+            for _ in range(engines):
+                started.append(TPEngine(ready["control"], world=world, gpu_blocks=24,
+                                        kvoffload_store_reserve=16))
+            hook = None if between_turns is None else (
+                lambda turn: between_turns(turn, ready))
+            out: dict[str, Any] = {**_route(started, convs, hook), "engines": engines,
+                                   "tp_world": world,
+                                   "rank_processes": engines * world}
+        finally:
+            for e in started:
+                e.shutdown()
+    out.setdefault("rank_checks", 0)
+    return out
+
+
 def run_sharing_bench(quick: bool = True, *, conversations: int | None = None,
                       turns: int = 6, slots: int | None = None,
-                      engines: tuple[int, ...] = (2, 4), progress: Any = None) -> dict[str, Any]:
+                      engines: tuple[int, ...] = (2, 4), tp: bool = True, seed: int = 0,
+                      progress: Any = None) -> dict[str, Any]:
     say = progress or (lambda _msg: None)
     n = conversations or (8 if quick else 16)
     slots = slots or (320 if quick else 640)
@@ -103,7 +135,8 @@ def run_sharing_bench(quick: bool = True, *, conversations: int | None = None,
     }
     if mark_not_run(out):
         return out
-    convs = _conversations(n, turns, seed=23)
+    convs = _conversations(n, turns, seed=23 + seed)
+    out["seed"] = seed
     missed = []
     for k in engines:
         say(f"{k} engines: vLLM per-engine offload, then one shared daemon")
@@ -118,6 +151,15 @@ def run_sharing_bench(quick: bool = True, *, conversations: int | None = None,
             missed.append(f"{k} engines: {ratio} < {TARGETS[k]}")
         if mine["verify_failures"]:
             missed.append(f"{k} engines: {mine['verify_failures']} loads with wrong bytes")
+    if tp:
+        say("TP=2: 2 engines x 2 rank processes on one daemon")
+        tp_convs = [conv[:3] for conv in convs[:4]]  # small: 4 rank processes on the node
+        tp_out = run_tp_variant(tp_convs, slots)
+        out["tp2"] = tp_out
+        if not tp_out["loads"]:
+            missed.append("TP=2: no load happened (nothing verified across processes)")
+        if tp_out["verify_failures"]:
+            missed.append(f"TP=2: {tp_out['verify_failures']} loads with wrong bytes on a rank")
     out["ratio"] = out.get("engines_2", {}).get("ratio")
     out["ratio_4"] = out.get("engines_4", {}).get("ratio")
     out["meets"] = not missed
