@@ -18,7 +18,8 @@ regular loads or stores, and loads never wait behind stores:
   block): a stream-to-stream dependency, not a host sync. The copies are one
   ``cuMemcpyBatchAsync`` per job where the driver has it, else device gathers (copy_cuda.py).
   Completion and timing come from a pair of CUDA events per job.
-* CPU: one thread per lane, copying the views as ~1 MiB memcpy pieces (numpy views of the same
+* CPU: the KV tensors are put on huge pages at construction (copy_cpu.KVHugePages). One
+  thread per lane, copying the views as ~1 MiB memcpy pieces (numpy views of the same
   memory; a memcpy that releases the GIL) spread over a few helper threads of the lane. Not
   ``Tensor.copy_``: every ``copy_`` forks and joins torch's OpenMP team, which stalls whenever
   another process holds a core; and not torch's ``index_copy_``, which copies int8 rows element
@@ -42,7 +43,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from kvoffload.connector.copy_cpu import CpuLane, CpuMemcpy
+from kvoffload.connector.copy_cpu import CpuLane, CpuMemcpy, KVHugePages
 from kvoffload.connector.copy_cuda import CudaLauncher
 from kvoffload.connector.copy_plan import SegmentViews, SegmentWork, plan_work, segment_views
 from kvoffload.connector.layout import (
@@ -135,6 +136,7 @@ class BlockCopier:
         cpu_threads: int | None = None,
         registry: Any = None,
         cuda_backend: str = "auto",
+        kv_huge_pages: bool = True,
     ) -> None:
         reason = check_geometry(layout, rank, tp_world_size, slot_bytes, mapping.size)
         if reason is not None:
@@ -163,6 +165,9 @@ class BlockCopier:
         self._lanes: dict[str, CpuLane] = {}
         self._sync_memcpy: CpuMemcpy | None = None
         self._launcher: CudaLauncher | None = None
+        # CPU KV tensors onto huge pages, in the background (copy_cpu.KVHugePages: why).
+        self.huge_pages = (KVHugePages.for_tensors(layout.tensors)
+                           if kv_huge_pages and not self._cuda else None)
         if self._cuda:
             self._launcher = CudaLauncher(dev, cuda_backend)
             self._streams = {STORE: torch.cuda.Stream(dev), LOAD: torch.cuda.Stream(dev),
@@ -220,7 +225,7 @@ class BlockCopier:
             self._finish(job, ok=False, seconds=0.0)
             return False
         try:
-            job.work = self._plan(checked)
+            job.work = self._plan(checked, direction == STORE)
             job.nbytes = sum(w.nbytes for w in job.work)
         except Exception:
             logger.exception("planning %s job %d failed", direction, job_id)
@@ -259,8 +264,8 @@ class BlockCopier:
             return "a (group, block) appears twice in one load"
         return arr
 
-    def _plan(self, arr: np.ndarray) -> list[SegmentWork]:
-        return plan_work(self._views, arr)
+    def _plan(self, arr: np.ndarray, store: bool) -> list[SegmentWork]:
+        return plan_work(self._views, arr, by_slot=store)  # stores write the pool in order
 
     # ---- execution ----------------------------------------------------------------------
 

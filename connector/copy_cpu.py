@@ -1,15 +1,23 @@
 """The CPU copy executor: a job's views as memcpy pieces over a few threads (see
-``CpuMemcpy``). Used by ``BlockCopier``'s CPU lanes; CUDA jobs go through copy_cuda.py."""
+``CpuMemcpy``), and transparent huge pages for the KV tensors (``KVHugePages``). Used by
+``BlockCopier``'s CPU lanes; CUDA jobs go through copy_cuda.py."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import queue
 import threading
+import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import torch
 from kvoffload.connector.copy_plan import SegmentWork, Unit, copy_units, pieces, unit_views
+
+logger = logging.getLogger("kvoffload.connector")
 
 _CHUNK_BYTES = 1 << 20  # CPU work unit: big enough to amortize ~1 us of Python per piece
 
@@ -85,3 +93,74 @@ class CpuLane:
         self._queue.put(None)
         self._thread.join()
         self.memcpy.close()
+
+
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25  # Linux 6.1+: collapse already-faulted pages into huge pages, now
+_HUGE = 2 << 20
+
+
+class KVHugePages:
+    """Backs the CPU KV tensors with 2 MiB transparent huge pages, on a background thread.
+
+    Why: a block of small pages is a few scattered 16 KiB rows per layer; on 4 KiB pages each
+    row is four TLB misses and four prefetch restarts, and the copy reaches ~0.65x of one
+    contiguous memcpy whatever issues it (measured: numpy, torch ``index_select``, two
+    threads). On huge pages the same rows copy at 0.85-0.95x. The pool side cannot have them
+    (it is shmem; ``shmem_enabled`` is ``never`` on these machines) but its slot pages are
+    contiguous, so they need them less. Anonymous memory gets THP on request when
+    ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``.
+
+    ``MADV_HUGEPAGE`` marks the tensors' memory (rounded inward to 2 MiB: never a neighbour's
+    pages) and ``MADV_COLLAPSE`` converts what is already faulted in (~0.4 GB/s here, so it runs
+    off the caller's thread; copies are correct during and after it: contents are kept). Best
+    effort: an old kernel or THP ``never`` leaves 4 KiB pages and logs one debug line. Advising
+    the same memory again (a new copier after a daemon restart) costs microseconds.
+    """
+
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+        self.ranges = ranges
+        self.collapsed_bytes = 0
+        self.seconds: float | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvoffload-kv-thp", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_tensors(cls, tensors: Iterable[torch.Tensor]) -> KVHugePages | None:
+        """The task advising these CPU tensors' storages (None: nothing 2 MiB-sized)."""
+        spans: dict[int, int] = {}
+        for t in tensors:
+            if t.device.type != "cpu":
+                continue
+            st = t.untyped_storage()
+            spans[st.data_ptr()] = max(spans.get(st.data_ptr(), 0), st.nbytes())
+        ranges = [(lo, hi) for start, n in sorted(spans.items())
+                  if (hi := (start + n) & ~(_HUGE - 1)) > (lo := (start + _HUGE - 1) & ~(_HUGE - 1))]
+        if not ranges:
+            return None
+        return cls(ranges)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            for lo, hi in self.ranges:
+                if libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
+                    logger.debug("MADV_HUGEPAGE refused (errno %d)", ctypes.get_errno())
+                    continue
+                if libc.madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
+                    self.collapsed_bytes += hi - lo
+                else:  # pages faulted later still come huge; khugepaged may do the rest
+                    logger.debug("MADV_COLLAPSE refused (errno %d)", ctypes.get_errno())
+        except (OSError, AttributeError) as exc:
+            logger.debug("no huge pages for the KV tensors: %s", exc)
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._done.set()
+            logger.info("kvoffload: KV tensors on huge pages: %d MiB collapsed in %.2f s",
+                        self.collapsed_bytes >> 20, self.seconds)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)

@@ -268,10 +268,12 @@ def items_for_groups(
     return [(g, int(b), int(s)) for g, b, s in zip(groups, block_ids, slots, strict=True)]
 
 
-def block_runs(blocks: np.ndarray, slots: np.ndarray) -> list[tuple[int, int, int]]:
+def block_runs(blocks: np.ndarray, slots: np.ndarray, by_slot: bool = False
+               ) -> list[tuple[int, int, int]]:
     """Split items into maximal (first_block, first_slot, count) runs: consecutive block ids
-    mapped to consecutive slots, which one strided view pair can cover."""
-    order = np.argsort(blocks, kind="stable")
+    mapped to consecutive slots, which one strided view pair can cover. Runs come in block
+    order, or in slot order with ``by_slot`` (the same runs: both sides are consecutive)."""
+    order = np.argsort(slots if by_slot else blocks, kind="stable")
     b, s = blocks[order], slots[order]
     breaks = np.flatnonzero((np.diff(b) != 1) | (np.diff(s) != 1)) + 1
     starts = np.concatenate(([0], breaks))

@@ -300,7 +300,7 @@ def test_failed_copy_reported_not_raised(
 ) -> None:
     w = BlockCopier(mapping, make_layout(5), 0, 1, SLOT_BYTES)
 
-    def broken_plan(arr: object) -> list[SegmentWork]:
+    def broken_plan(arr: object, store: bool) -> list[SegmentWork]:
         # Views whose shapes disagree: the copy itself fails, on the lane's thread.
         one = np.array([1])
         return [SegmentWork(np.zeros((4, 1, 10), np.int8), np.zeros((4, 1, 20), np.int8),

@@ -328,3 +328,65 @@ def test_refused_copier_fails_every_job() -> None:
     r.wait([1, 2])
     assert r.get_finished() == [CopyResult(1, False, 0, 0.0), CopyResult(2, False, 0, 0.0)]
     assert r.get_finished() == []
+
+
+def test_stores_write_the_pool_in_slot_order(mapping: PoolMapping) -> None:
+    """A store's pieces come in slot order (the pool written front to back), a load's in block
+    order (the KV written front to back); the copied bytes do not depend on it."""
+    src = layer_compact(11)
+    views = segment_views(src, mapping.slot_view(SLOT))
+    arr = np.array(STORES, dtype=np.int64)
+
+    def start(v: torch.Tensor) -> int:
+        return int(v.data_ptr())
+
+    for store in (True, False):
+        for w in plan_work(views, arr, by_slot=store):
+            pairs = ops([w], store)
+            # The side written in order: the pool (dst of a store) or the KV (dst of a load).
+            written = [start(dst) for dst, _ in pairs]
+            assert written == sorted(written) and len(pairs) == 3  # one run of 2-3 blocks fused
+    with BlockCopier(mapping, src, 0, 1, SLOT, cpu_async=False) as copier:
+        assert copier.submit_store(1, STORES)
+    check_pool(mapping.slot_view(SLOT), src, STORES)
+
+
+def _huge_kib(lo: int, hi: int) -> int:
+    """AnonHugePages (KiB) of the mappings overlapping [lo, hi)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                a, b = (int(x, 16) for x in head[0].split("-"))
+                inside = a < hi and b > lo
+            elif inside and head[0] == "AnonHugePages:":
+                total += int(head[1])
+    return total
+
+
+def test_cpu_kv_tensors_go_onto_huge_pages(mapping: PoolMapping) -> None:
+    """The copier advises the KV tensors' memory onto 2 MiB pages (where the kernel allows it)
+    and their bytes are unchanged by it."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        mode = "[never]"
+    buf = torch.randint(-128, 128, (LAYERS, 4096, PAGE), dtype=torch.int8,
+                        generator=torch.Generator().manual_seed(3))  # 8 MiB
+    before = buf.clone()
+    layout = KVLayout([buf[i] for i in range(LAYERS)], [[(i, 0, PAGE) for i in range(LAYERS)]])
+    with BlockCopier(mapping, layout, 0, 1, SLOT) as copier:
+        assert copier.huge_pages is not None
+        assert copier.huge_pages.wait(60)
+        lo, hi = copier.huge_pages.ranges[0]
+        assert buf.data_ptr() <= lo < hi <= buf.data_ptr() + buf.numel()  # never a neighbour
+        assert copier.submit_store(1, [(0, 4000, 3)])
+        copier.wait([1])
+        assert copier.get_finished()[0].ok
+    assert torch.equal(buf, before)
+    assert torch.equal(mapping.slot_view(SLOT)[3], buf[:, 4000].reshape(-1))
+    if "[never]" not in mode and copier.huge_pages.collapsed_bytes:
+        assert _huge_kib(lo, hi) * 1024 >= copier.huge_pages.collapsed_bytes
+    with BlockCopier(mapping, layout, 0, 1, SLOT, kv_huge_pages=False) as plain:
+        assert plain.huge_pages is None

@@ -1,0 +1,128 @@
+"""The copy engine's behaviour checks beyond throughput (see bench/copy.py for the suite):
+expedited-load latency behind a long store, several processes on one pool, and the first job's
+latency after a worker's creation (the mapping and pre-faulting must not land on it).
+
+``python -m kvoffload.bench.copy --expedited | --processes N | --first-job``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from kvoffload.bench.copy_setup import kv_layout, pick_device, sync_device
+from kvoffload.connector.copier import BlockCopier, KVLayout, PoolMapping
+
+
+def run_expedited_latency(device: str | None = None, quick: bool = True) -> dict[str, Any]:
+    """Latency of a one-block load submitted while a large store is in flight: regular and
+    expedited, against the same load on an idle copier. On CUDA the store is a real 1-2 GiB
+    device-to-pinned-host copy; the loads must not wait for it (own streams)."""
+    dev = pick_device(device)
+    layers, page = 8, 256 << 10
+    block = layers * page
+    big = (64 if quick else 256) if dev.type == "cuda" else 16  # blocks in the long store
+    num_blocks = big + 16
+    layout, _ = kv_layout(layers, num_blocks, page, dev)
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="kvoffload-bench-exp-", dir=folder)
+    os.close(fd)
+    os.truncate(path, (big + 8) * block)
+    samples: dict[str, list[float]] = {}
+    try:
+        mapping = PoolMapping(path, (big + 8) * block, populate=True)
+        copier = BlockCopier(mapping, layout, 0, 1, block, dev)
+        store_items = [(0, i, i) for i in range(big)]
+        job = 0
+        for rep in range(11 if quick else 31):
+            for case in ("idle", "behind store: regular", "behind store: expedited"):
+                job += 2
+                busy = case != "idle"
+                if busy:
+                    copier.submit_store(job, store_items)
+                t0 = time.perf_counter()
+                copier.submit_load(job + 1, [(0, big + 1 + rep % 8, big + rep % 8)],
+                                   expedited=case.endswith("expedited"))
+                copier.wait([job + 1])
+                t = time.perf_counter() - t0
+                copier.wait([job])
+                if not all(r.ok for r in copier.get_finished()):
+                    raise RuntimeError("copy failed")
+                if rep:
+                    samples.setdefault(case, []).append(t)
+        copier.close()
+        mapping.close()
+    finally:
+        os.unlink(path)
+    p50 = {k: round(statistics.median(v) * 1e3, 3) for k, v in samples.items()}
+    return {"device": str(dev), "store_bytes": big * block, "load_bytes": block,
+            "p50_ms": p50, "samples": len(next(iter(samples.values())))}
+
+
+def _rank_proc(rank: int, world: int, path: str, size: int, slot_bytes: int, device: str,
+               out: Any) -> None:
+    """One rank of ``run_two_process_check``: maps (and pins) the shared pool itself, stores its
+    page of every slot, waits for the others through the file, loads it all back."""
+    try:
+        dev = pick_device(device)
+        slots = size // slot_bytes
+        page = slot_bytes // world // 2
+        gen = torch.Generator().manual_seed(rank)
+        kv = torch.randint(-128, 128, (2, 2 * slots, page), dtype=torch.int8, generator=gen)
+        kv = kv.to(dev)
+        layout = KVLayout([kv[0], kv[1]], [[(0, 0, page), (1, 0, page)]])
+        with PoolMapping(path, size) as mapping:
+            with BlockCopier(mapping, layout, rank, world, slot_bytes, dev) as copier:
+                copier.submit_store(1, [(0, s, s) for s in range(slots)])
+                copier.wait([1])
+                stored = copier.get_finished()
+                before = kv[:, :slots].clone()
+                kv.zero_()
+                copier.submit_load(2, [(0, slots + s, s) for s in range(slots)])
+                copier.wait([2])
+                loaded = copier.get_finished()
+                sync_device(dev)
+                ok = bool(torch.equal(kv[:, slots:], before))
+            out.put((rank, {"pinned": mapping.pinned, "ok": ok and all(
+                r.ok for r in stored + loaded), "backend": copier.cuda_backend,
+                "digest": int(before.to(torch.int64).sum())}))
+    except BaseException as exc:
+        out.put((rank, {"error": repr(exc)}))
+
+
+def run_two_process_check(device: str | None = None, world: int = 2) -> dict[str, Any]:
+    """``world`` processes share one pool file (each registers it with CUDA itself): every
+    rank stores its page of every slot and loads it back; the parent checks the file holds
+    every rank's bytes in its own page."""
+    import multiprocessing as mp
+
+    dev = pick_device(device)
+    slot_bytes, slots = world * 2 * (256 << 10), 64
+    size = slot_bytes * slots
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="kvoffload-bench-2p-", dir=folder)
+    os.close(fd)
+    os.truncate(path, size)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_proc, args=(r, world, path, size, slot_bytes, str(dev),
+                                                  out)) for r in range(world)]
+    try:
+        for proc in procs:
+            proc.start()
+        results = dict(out.get(timeout=300) for _ in procs)
+        for proc in procs:
+            proc.join(60)
+        pool = np.fromfile(path, dtype=np.int8).reshape(slots, world, -1)
+        # Each rank's pages hold its own bytes: their sums match what each rank stored.
+        sums = {r: int(pool[:, r].sum(dtype=np.int64)) for r in range(world)}
+    finally:
+        os.unlink(path)
+    ok = all(res.get("ok") for res in results.values()) and all(
+        sums[r] == results[r].get("digest") for r in range(world))
+    return {"device": str(dev), "world": world, "ranks": results, "meets": ok}
