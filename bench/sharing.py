@@ -23,12 +23,31 @@ import os
 import sys
 from typing import Any
 
-from kvoffload.bench.engine_chat import SLOT, _conversations, check_loads
+from kvoffload.bench.engine_chat import SLOT, _conversations
 from kvoffload.bench.proc import daemon_process
 from kvoffload.bench.vllm_baseline import mark_not_run
 
 TARGETS = {2: 1.8, 4: 3.0}
 REPLY = 8
+
+
+def check_loads(engine: Any, prompts: dict[str, list[int]], out: dict[str, Any]) -> Any:
+    """A load-done hook that checks every KV row the request now holds against the tokens."""
+    from kvoffload.bench.vllm_engine import BLOCK, ROW, token_row
+
+    def check(req_id: str) -> None:
+        out["loads"] += 1
+        req = engine.scheduler.requests[req_id]
+        attn = engine.block_table(req_id)[0]
+        tokens = prompts[req_id]
+        for t in range(req.num_computed_tokens):
+            row = engine.pages["attn.0"][attn[t // BLOCK], ROW * (t % BLOCK):
+                                         ROW * (t % BLOCK + 1)]
+            if bytes(row.numpy()) != bytes(token_row(tokens, t).numpy()):
+                out["verify_failures"] += 1
+                return
+
+    return check
 
 
 def _route(engines: list[Any], convs: list[list[list[int]]],
