@@ -23,9 +23,14 @@ def _pyplot() -> Any:
 
 def _save(plt: Any, fig: Any, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends outside the axes included
     plt.close(fig)
     return path
+
+
+def _legend(ax: Any) -> None:
+    """Beside the axes, never over the bars (inside, the tallest bar would hide under it)."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
 
 
 def _bars(ax: Any, labels: list[str], series: dict[str, list[float]], ylabel: str) -> None:
@@ -36,7 +41,7 @@ def _bars(ax: Any, labels: list[str], series: dict[str, list[float]], ylabel: st
     ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(labels))])
     ax.set_xticklabels(labels, rotation=20, ha="right")
     ax.set_ylabel(ylabel)
-    ax.legend()
+    _legend(ax)
 
 
 def _hybrid_chat(plt: Any, suite: dict[str, Any], out: Path) -> list[Path]:
@@ -59,7 +64,7 @@ def _hybrid_chat(plt: Any, suite: dict[str, Any], out: Path) -> list[Path]:
     ax2.set_xticklabels(names, rotation=20, ha="right")
     ax2.set_ylabel("prompt tokens")
     ax2.set_title("hybrid chat: where prompt tokens come from")
-    ax2.legend(fontsize=8)
+    _legend(ax2)
     return [_save(plt, fig, out / "hybrid_chat.png")]
 
 
@@ -96,6 +101,22 @@ def _tiers(plt: Any, suite: dict[str, Any], out: Path) -> list[Path]:
     return [_save(plt, fig, out / "tiers.png")]
 
 
+def _sharing(plt: Any, suite: dict[str, Any], out: Path) -> list[Path]:
+    rows = sorted((k for k, v in suite.items() if k.startswith("engines_") and isinstance(
+        v, dict) and isinstance(v.get("ours"), dict)), key=lambda k: int(k.split("_")[1]))
+    if not rows:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    labels = [f"{k.split('_')[1]} engines" for k in rows]
+    _bars(ax, labels, {
+        "one shared daemon (ours)": [suite[k]["ours"].get("offload_hit_tokens", 0) for k in rows],
+        "per-engine vLLM offload, 1/N memory": [
+            suite[k]["vllm"].get("offload_hit_tokens", 0) for k in rows]},
+        "prompt tokens served by offload")
+    ax.set_title("one cache for every engine (round-robin routing)")
+    return [_save(plt, fig, out / "sharing.png")]
+
+
 def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     """Write the report's PNGs into ``out``; returns their paths ([] without matplotlib)."""
     try:
@@ -109,4 +130,6 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
         paths += _tiers(plt, suites["hybrid_chat"], out)
     if isinstance(suites.get("lookup"), dict):
         paths += _lookup(plt, suites["lookup"], out)
+    if isinstance(suites.get("sharing"), dict):
+        paths += _sharing(plt, suites["sharing"], out)
     return paths

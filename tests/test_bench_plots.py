@@ -54,3 +54,45 @@ def test_bench_cli_links_its_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert (out / "hybrid_chat.png").exists()
     assert "![hybrid_chat](hybrid_chat.png)" in (out / "bench.md").read_text()
     assert json.loads((out / "bench.json").read_text())["suites"]["hybrid_chat"]["meets"]
+
+
+def test_legends_do_not_cover_bars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every legend's box on the canvas is clear of every bar of its figure."""
+    pytest.importorskip("matplotlib", reason="plots need the bench extra (matplotlib)")
+    from kvoffload.bench import plots
+
+    checked: list[int] = []
+    real_save = plots._save
+
+    def save(plt, fig, path):  # type: ignore[no-untyped-def]
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            if legend is None:
+                continue
+            box = legend.get_window_extent(renderer)
+            for other in fig.axes:
+                for bar in other.patches:
+                    if bar.get_height():
+                        assert not box.overlaps(bar.get_window_extent(renderer)), path.name
+            checked.append(1)
+        return real_save(plt, fig, path)
+
+    monkeypatch.setattr(plots, "_save", save)
+    tall = variant(1000, 500.0)  # the tallest bars reach the top, where legends used to sit
+    report = {"suites": {
+        "hybrid_chat": {"variants": {"no_offload": variant(0, 100.0), "ours": tall,
+                                     "ours_small_pool": variant(300, 60.0),
+                                     "ours_disk_tier": tall},
+                        "shared_tier": {"pool_only": variant(300, 70.0), "shared": tall}},
+        "lookup": {"prompt_tokens": 32768, "vllm": {"p50_us": 120.0, "p99_us": 300.0},
+                   "ours_single": {"p50_us": 280.0, "p99_us": 1000.0}},
+        "sharing": {"engines_2": {"ours": {"offload_hit_tokens": 900},
+                                  "vllm": {"offload_hit_tokens": 400}},
+                    "engines_4": {"ours": {"offload_hit_tokens": 950},
+                                  "vllm": {"offload_hit_tokens": 30}}},
+    }}
+    paths = plots.write_plots(report, tmp_path)
+    assert "sharing.png" in [p.name for p in paths]
+    assert len(checked) >= 5  # hybrid_chat x2, tiers x2, lookup, sharing
