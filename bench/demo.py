@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 
@@ -55,6 +56,8 @@ class Summary:
     simulated_ttft_ms_mean: float = 0.0
     simulated_ttft_ms_no_offload_mean: float = 0.0
     wall_seconds: float = 0.0
+    daemon: str = ""  # which daemon served the run, and where (embedded or --connect)
+    daemon_lost: str = ""  # set when the daemon stopped answering mid-run (the run ended)
 
 
 def block_content(key: bytes, rank: int, nbytes: int) -> np.ndarray:
@@ -228,14 +231,29 @@ async def run_demo(args: argparse.Namespace) -> Summary:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         endpoint = server.control_endpoint
+    from kvoffload.connector.client import DaemonUnavailable
+
     client = AsyncDaemonClient(endpoint, name="kvoffload demo engine")
     engine = SimEngine(client, geometry, args.scale)
+    if server is not None:
+        engine.summary.daemon = (f"started its own daemon in this process: control {endpoint}, "
+                                 f"pool {server.config.pool_path} ({args.pool_bytes}); "
+                                 "stopped and removed at the end")
+    else:
+        engine.summary.daemon = f"the running daemon at {endpoint} (--connect)"
     started = time.perf_counter()
     try:
         await engine.start()
         for turn in chat_turns(args.requests, args.seed):
             try:
                 await engine.run_turn(turn)
+            except DaemonUnavailable as exc:
+                # A daemon that died or froze: one bounded wait (the client's timeout), then
+                # the run ends; asking again for every remaining turn would only repeat it.
+                engine.summary.daemon_lost = (
+                    f"the daemon stopped answering after {engine.summary.requests} of "
+                    f"{args.requests} requests ({exc})")
+                break
             except (p.ProtocolError, ConnectionError) as exc:
                 engine.summary.errors += 1
                 print(f"error: {exc}")
@@ -249,10 +267,21 @@ async def run_demo(args: argparse.Namespace) -> Summary:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def scale_text(scale: float) -> str:
+    """1/1024 rather than 0.000976562."""
+    inv = 1 / scale if scale else 0
+    return f"1/{round(inv)}" if scale < 1 and abs(inv - round(inv)) < 1e-6 else f"{scale:g}"
+
+
 def render(s: Summary, preset: str, scale: float) -> str:
     pct = 100 * s.hit_tokens / max(1, s.prompt_tokens)
+    x = scale_text(scale)
     return "\n".join([
-        f"kvoffload demo: {s.requests} chat turns on {preset} (bytes x {scale:g})",
+        f"kvoffload demo: {s.requests} chat turns on {preset} (bytes x {x})",
+        textwrap.fill(f"daemon: {s.daemon}", 96, initial_indent="  ", subsequent_indent="    ",
+                      break_on_hyphens=False),
+        f"  bytes x {x}: each KV block has {x} of its real size (--scale), so the run fits",
+        "    here; token counts are real and the simulated TTFT charges full-size copies",
         f"  prompt tokens      {s.prompt_tokens:>12,}",
         f"  served from cache  {s.hit_tokens:>12,}  ({pct:.1f} %)",
         f"    complete chunks  {s.chunk_hit_tokens:>12,}",
@@ -263,9 +292,13 @@ def render(s: Summary, preset: str, scale: float) -> str:
         f"   evicted {s.evicted_keys:,}",
         f"  simulated TTFT     {s.simulated_ttft_ms_mean:>9.1f} ms  (no offload "
         f"{s.simulated_ttft_ms_no_offload_mean:.1f} ms)",
-        f"  round trips/request {s.round_trips_per_request:>8.2f}   deferred steps "
-        f"{s.deferred_steps:,} (asked again; {s.gave_up} gave up)",
-        f"  verify failures    {s.verify_failures:>12}   errors {s.errors}",
+        f"  round trips/request {s.round_trips_per_request:>8.2f}   daemon requests per turn "
+        "(lookup, load done, store, commit)",
+        f"  deferred steps     {s.deferred_steps:>12,}   'not yet' answers asked again a step "
+        f"later ({s.gave_up} gave up after {MAX_REASKS})",
+        f"  verify failures    {s.verify_failures:>12}   loaded pages (every rank) whose bytes "
+        "differ from what was stored",
+        f"  errors             {s.errors:>12}",
         f"  wall time          {s.wall_seconds:>9.1f} s",
     ])
 
@@ -299,6 +332,8 @@ def main(args: argparse.Namespace) -> int:
         return fail(f"the daemon refused the demo engine: {exc}", 1)
     except StartFault as exc:  # the embedded daemon (no --connect) cannot start
         return fail(f"cannot start the embedded daemon: {exc}", 1)
+    if summary.daemon_lost:
+        return fail(f"{summary.daemon_lost}; the demo stopped", 1)
     if args.json:
         print(json.dumps(asdict(summary)))
     else:

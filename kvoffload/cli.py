@@ -113,7 +113,11 @@ def _serve(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     d = sub.add_parser("demo", help="a daemon plus a simulated hybrid-model engine")
     d.add_argument("--connect", help="use a running daemon's control endpoint")
-    d.add_argument("--preset", default="qwen3.6-27b-tp1")
+    from kvoffload.bench.workload import PRESETS
+
+    d.add_argument("--preset", default="qwen3.6-27b-tp1", metavar="NAME",
+                   help=f"model geometry, one of: {', '.join(sorted(PRESETS))} "
+                        "(default qwen3.6-27b-tp1)")
     d.add_argument("--scale", type=float, default=1 / 1024,
                    help="byte scale factor so the run fits this machine (default 1/1024)")
     d.add_argument("--requests", type=int, default=300, help="requests (turns) to simulate")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 
 from tests.daemon_helpers import run_daemon
@@ -54,3 +55,49 @@ def test_demo_asks_deferred_lookups_again_and_shows_disk_hits(tmp_path) -> None:
         ok = [line for line in text.splitlines()
               if line.startswith("kvoffload_tier_promotions_total") and 'outcome="ok"' in line]
         assert ok and float(ok[0].rsplit(" ", 1)[1]) > 0, ok  # blocks came back from disk
+
+
+def test_demo_summary_explains_itself() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvoffload", "demo", "--requests", "20"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "started its own daemon in this process" in text
+    assert "/dev/shm/kvoffload-demo-" in text and "stopped and removed at the end" in text
+    assert "bytes x 1/1024: each KV block has 1/1024 of its real size" in text
+    assert "daemon requests per turn" in text
+    assert "whose bytes differ from what was stored" in text
+
+
+def test_demo_preset_help_lists_the_choices() -> None:
+    from kvoffload.bench.workload import PRESETS
+
+    out = subprocess.run([sys.executable, "-m", "kvoffload", "demo", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    flat = " ".join(out.stdout.split())
+    assert all(name in flat for name in PRESETS), flat
+
+
+def test_demo_ends_with_one_line_when_the_daemon_dies(tmp_path) -> None:
+    with run_daemon(tmp_path, pool_bytes=64 << 20) as d:
+        proc = subprocess.Popen([sys.executable, "-m", "kvoffload", "demo", "--connect",
+                                 d.control, "--requests", "1000000"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            # Kill it once the demo is under way (its lookups show in the daemon's metrics).
+            for _ in range(600):
+                with urllib.request.urlopen(f"{d.http_url}/metrics", timeout=10) as resp:
+                    if any(line.startswith("kvoffload_lookups_total") and
+                           not line.endswith(" 0.0") for line in resp.read().decode()
+                           .splitlines()):
+                        break
+                time.sleep(0.05)
+            d.kill()
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "the daemon stopped answering after" in lines[0], err
+    assert "of 1000000 requests" in lines[0] and out == ""
