@@ -41,11 +41,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvoffload.bench.copy_checks import run_expedited_latency, run_two_process_check
+from kvoffload.bench.copy_checks import run_expedited_latency, run_first_job, run_two_process_check
 from kvoffload.bench.copy_setup import kv_layout, pick_device, timed
 from kvoffload.connector.copier import BlockCopier, PoolMapping
 
-__all__ = ["run_copy_bench", "run_expedited_latency", "run_two_process_check"]
+__all__ = ["run_copy_bench", "run_expedited_latency", "run_first_job", "run_two_process_check"]
 
 PAGES = {"16 tokens": 16 << 10, "64 tokens": 64 << 10, "256 tokens": 256 << 10,
          "1 MiB": 1 << 20}
@@ -229,6 +229,7 @@ def run_copy_bench(quick: bool = True, device: str | None = None,
         "vllm_handler": {"not_run": VLLM_NOT_RUN} if dev.type != "cuda" else {
             "not_run": "not wired: needs vLLM's compiled ops on the GPU box"},
         "torch_threads": torch.get_num_threads(),
+        "first_job": run_first_job(str(dev), quick),
     }
 
 
@@ -243,11 +244,15 @@ def main() -> None:
                         help="leave the CPU KV tensors on 4 KiB pages (no huge-page advice)")
     parser.add_argument("--expedited", action="store_true",
                         help="expedited-load latency with and without a long store in flight")
+    parser.add_argument("--first-job", action="store_true",
+                        help="the first job's latency after a worker's creation vs later jobs")
     parser.add_argument("--processes", type=int, default=0,
                         help="N processes storing and loading their rank pages of one pool")
     args = parser.parse_args()
     if args.processes:
         out = run_two_process_check(device=args.device, world=args.processes)
+    elif args.first_job:
+        out = run_first_job(device=args.device, quick=not args.full)
     elif args.expedited:
         out = run_expedited_latency(device=args.device, quick=not args.full)
     else:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.ma  # noqa: F401  np.unique imports it lazily: ~10 ms that would land on a first job
 import torch
 from kvoffload.connector.copy_cpu import CpuLane, CpuMemcpy, KVHugePages
 from kvoffload.connector.copy_cuda import CudaLauncher

@@ -39,6 +39,9 @@ class CpuMemcpy:
         self.threads = max(1, threads)
         self._pool = (ThreadPoolExecutor(self.threads - 1, thread_name_prefix=name)
                       if self.threads > 1 else None)
+        for _ in range(self.threads - 1):  # start the helpers now, not inside a first job
+            assert self._pool is not None
+            self._pool.submit(time.sleep, 0.001)
 
     def copy(self, work: list[SegmentWork], store: bool) -> None:
         units = copy_units(work, _CHUNK_BYTES)
