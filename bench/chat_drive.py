@@ -49,84 +49,99 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def drive(engine: Any, turns: Iterable[ChatTurn], *, verify: bool,
-          scale: FullScale | None = None, gpu_cache: bool = True,
-          max_steps: int = 4000) -> dict[str, Any]:
-    """Run every turn; totals per variant (see the module docstring). ``gpu_cache=False``
-    empties vLLM's GPU prefix cache before each request (other traffic evicted it), so every
-    reused token comes from the offload or is recomputed."""
-    out: dict[str, Any] = {"requests": 0, "prompt_tokens": 0, "recomputed_tokens": 0,
-                           "gpu_cached_tokens": 0, "served_tokens": 0,
-                           "served_chunk_tokens": 0, "served_tail_tokens": 0,
-                           "deferrals": 0, "loads": 0, "verify_failures": 0,
-                           "failed_loads": 0, "bytes_loaded_full_scale": 0}
-    answer: dict[str, tuple[int, int]] = {}  # request -> (local tokens, final hit)
-    original = engine.connector.get_num_new_matched_tokens
+class Driver:
+    """One engine's side of a run: ``turn`` runs one request to completion, ``result`` sums
+    up. Several drivers take turns request by request, so their per-step scheduler times are
+    measured under the same machine load. ``gpu_cache=False`` empties vLLM's GPU prefix cache
+    before each request (other traffic evicted it): every reused token comes from the offload
+    or is recomputed."""
 
-    def counting(request: Any, local: int) -> Any:
-        hit, is_async = original(request, local)
-        if hit is None:
-            out["deferrals"] += 1
-        else:
-            answer[request.request_id] = (local, hit)
-        return hit, is_async
+    def __init__(self, engine: Any, *, verify: bool, scale: FullScale | None = None,
+                 gpu_cache: bool = True, max_steps: int = 4000) -> None:
+        self.engine, self.verify, self.scale = engine, verify, scale
+        self.gpu_cache, self.max_steps = gpu_cache, max_steps
+        self.out: dict[str, Any] = {
+            "requests": 0, "prompt_tokens": 0, "recomputed_tokens": 0, "gpu_cached_tokens": 0,
+            "served_tokens": 0, "served_chunk_tokens": 0, "served_tail_tokens": 0,
+            "deferrals": 0, "loads": 0, "verify_failures": 0, "failed_loads": 0,
+            "bytes_loaded_full_scale": 0, "load_answer_mismatch": 0, "unaccounted_tokens": 0,
+            "gpu_cache_resets_failed": 0}
+        self._answer: dict[str, tuple[int, int]] = {}  # request -> (local tokens, final hit)
+        self._prompts: dict[str, list[int]] = {}
+        self._loaded: set[str] = set()
+        self._ttft_ms: list[float] = []
+        self._steps0, self._sched0 = engine.steps, engine.scheduler_seconds
+        original = engine.connector.get_num_new_matched_tokens
 
-    engine.connector.get_num_new_matched_tokens = counting
-    prompts: dict[str, list[int]] = {}
-    loaded: set[str] = set()
+        def counting(request: Any, local: int) -> Any:
+            hit, is_async = original(request, local)
+            if hit is None:
+                self.out["deferrals"] += 1
+            else:
+                self._answer[request.request_id] = (local, hit)
+            return hit, is_async
 
-    def on_loaded(req_id: str) -> None:
-        out["loads"] += 1
-        loaded.add(req_id)
-        if verify and not engine.verify(req_id, prompts[req_id]):
-            out["verify_failures"] += 1
+        engine.connector.get_num_new_matched_tokens = counting
+        engine.on_loaded = self._on_loaded
 
-    engine.on_loaded = on_loaded
-    block = engine.shape.block
-    ttft_ms: list[float] = []
-    steps0, sched0 = engine.steps, engine.scheduler_seconds
-    unaccounted = 0
-    out["load_answer_mismatch"] = 0  # loads whose start is not the connector's answer
-    for i, turn in enumerate(turns):
-        req_id = f"r{i}"
-        prompts[req_id] = turn.prompt
-        if not gpu_cache and not engine.scheduler.reset_prefix_cache():
-            out["gpu_cache_resets_failed"] = out.get("gpu_cache_resets_failed", 0) + 1
+    def _on_loaded(self, req_id: str) -> None:
+        self.out["loads"] += 1
+        self._loaded.add(req_id)
+        if self.verify and not self.engine.verify(req_id, self._prompts[req_id]):
+            self.out["verify_failures"] += 1
+
+    def turn(self, turn: ChatTurn) -> None:
+        engine, out = self.engine, self.out
+        req_id = f"r{out['requests']}"
+        self._prompts[req_id] = turn.prompt
+        if not self.gpu_cache and not engine.scheduler.reset_prefix_cache():
+            out["gpu_cache_resets_failed"] += 1
         engine.add(turn.prompt, req_id, reply=turn.reply)
-        engine.run(max_steps=max_steps)
+        engine.run(max_steps=self.max_steps)
         n = len(turn.prompt)
         recomputed = engine.prefill_tokens.pop(req_id, 0)
         started = engine.first_start.pop(req_id, 0)  # GPU cache hit + offload load
-        local, hit = answer.pop(req_id, (0, 0))
-        if req_id not in loaded:  # a GPU partial-block hit the load would not exceed
+        local, hit = self._answer.pop(req_id, (0, 0))
+        if req_id not in self._loaded:  # a GPU partial-block hit the load would not exceed
             local, hit = started, 0
-        tail = (local + hit) % block if hit else 0
+        tail = (local + hit) % engine.shape.block if hit else 0
         out["requests"] += 1
         out["prompt_tokens"] += n
         out["recomputed_tokens"] += recomputed
         out["gpu_cached_tokens"] += started - hit
-        unaccounted += abs(n - started - recomputed)
+        # What the first step found computed plus what the model computed is the prompt (a
+        # preemption or a failed load would compute tokens twice).
+        out["unaccounted_tokens"] += abs(n - started - recomputed)
         out["load_answer_mismatch"] += started != local + hit
         out["served_tokens"] += hit
         out["served_tail_tokens"] += tail
         out["served_chunk_tokens"] += hit - tail
-        if scale is not None:
-            nbytes = scale.load_bytes(block, local, hit)
+        if self.scale is not None:
+            nbytes = self.scale.load_bytes(engine.shape.block, local, hit)
             out["bytes_loaded_full_scale"] += nbytes
-            ttft_ms.append(1000 * scale.model.ttft(recomputed, nbytes))
-        del prompts[req_id]
-        loaded.discard(req_id)
+            self._ttft_ms.append(1000 * self.scale.model.ttft(recomputed, nbytes))
+        del self._prompts[req_id]
+        self._loaded.discard(req_id)
         engine.replies.pop(req_id, None)
-    out["failed_loads"] = len(engine.failed_loads)
-    out["steps"] = engine.steps - steps0
-    out["scheduler_us_per_step"] = round(
-        1e6 * (engine.scheduler_seconds - sched0) / max(1, out["steps"]), 1)
-    # What the first step found computed plus what the model computed is the prompt, for
-    # every request (a preemption or a failed load would compute tokens twice).
-    out["unaccounted_tokens"] = unaccounted
-    out["accounted"] = unaccounted == 0 and out["load_answer_mismatch"] == 0
-    if ttft_ms:
-        out["ttft_ms_mean"] = round(sum(ttft_ms) / len(ttft_ms), 2)
-        out["ttft_ms_p50"] = round(_percentile(ttft_ms, 0.5), 2)
-        out["ttft_ms_p99"] = round(_percentile(ttft_ms, 0.99), 2)
-    return out
+
+    def result(self) -> dict[str, Any]:
+        out, engine = dict(self.out), self.engine
+        out["failed_loads"] = len(engine.failed_loads)
+        out["steps"] = engine.steps - self._steps0
+        out["scheduler_us_per_step"] = round(
+            1e6 * (engine.scheduler_seconds - self._sched0) / max(1, out["steps"]), 1)
+        out["accounted"] = out["unaccounted_tokens"] == 0 and out["load_answer_mismatch"] == 0
+        if self._ttft_ms:
+            out["ttft_ms_mean"] = round(sum(self._ttft_ms) / len(self._ttft_ms), 2)
+            out["ttft_ms_p50"] = round(_percentile(self._ttft_ms, 0.5), 2)
+            out["ttft_ms_p99"] = round(_percentile(self._ttft_ms, 0.99), 2)
+        return out
+
+
+def drive(engine: Any, turns: Iterable[ChatTurn], *, verify: bool,
+          scale: FullScale | None = None, gpu_cache: bool = True) -> dict[str, Any]:
+    """Every turn on one engine; its totals (see ``Driver``)."""
+    driver = Driver(engine, verify=verify, scale=scale, gpu_cache=gpu_cache)
+    for turn in turns:
+        driver.turn(turn)
+    return driver.result()

@@ -25,6 +25,7 @@ import random
 import sys
 from typing import Any
 
+from kvoffload.bench.chat_drive import ChatTurn, drive
 from kvoffload.bench.proc import daemon_process
 from kvoffload.bench.vllm_baseline import mark_not_run
 
@@ -53,52 +54,22 @@ def _floor(convs: list[list[list[int]]], reply_tokens: int, unit: int = 4) -> in
     return total
 
 
-def check_loads(engine: Any, prompts: dict[str, list[int]], out: dict[str, Any]) -> Any:
-    """A load-done hook that checks every KV row the request now holds against the tokens."""
-    from kvoffload.bench.vllm_engine import BLOCK, ROW, token_row
-
-    def check(req_id: str) -> None:
-        out["loads"] += 1
-        req = engine.scheduler.requests[req_id]
-        attn, _ = engine.block_table(req_id)
-        tokens = prompts[req_id]
-        for t in range(req.num_computed_tokens):
-            row = engine.pages["attn.0"][attn[t // BLOCK], ROW * (t % BLOCK):
-                                         ROW * (t % BLOCK + 1)]
-            if bytes(row.numpy()) != bytes(token_row(tokens, t).numpy()):
-                out["verify_failures"] += 1
-                return
-
-    return check
+def _turns(convs: list[list[list[int]]], reply_tokens: int) -> list[ChatTurn]:
+    """Round-robin turns; each reply (the fake model's) joins the history of the next prompt."""
+    history: list[list[int]] = [[] for _ in convs]
+    turns = []
+    for turn in range(len(convs[0])):
+        for c, conv in enumerate(convs):
+            prompt = history[c] + conv[turn]
+            reply = [1000 + len(prompt) + i for i in range(reply_tokens)]
+            turns.append(ChatTurn(prompt, reply))
+            history[c] = prompt + reply
+    return turns
 
 
 def _drive(engine: Any, convs: list[list[list[int]]], reply_tokens: int,
            verify: bool) -> dict[str, Any]:
-    out = {"prompt_tokens": 0, "recomputed_tokens": 0, "deferrals": 0, "loads": 0,
-           "verify_failures": 0}
-    original = engine.connector.get_num_new_matched_tokens
-
-    def counting(request: Any, local: int) -> Any:
-        hit, is_async = original(request, local)
-        out["deferrals"] += hit is None
-        return hit, is_async
-
-    engine.connector.get_num_new_matched_tokens = counting
-    prompts: dict[str, list[int]] = {}
-
-    engine.on_loaded = check_loads(engine, prompts, out)
-    history = [[] for _ in convs]
-    for turn in range(len(convs[0])):
-        for c, conv in enumerate(convs):
-            prompt = history[c] + conv[turn]
-            req_id = f"c{c}t{turn}"
-            prompts[req_id] = prompt
-            engine.add(prompt, req_id, max_tokens=reply_tokens)
-            engine.run(max_steps=2000)
-            out["prompt_tokens"] += len(prompt)
-            out["recomputed_tokens"] += engine.prefill_tokens[req_id]
-            # The fake model's reply joins the history (offload_prompt_only: not stored).
-            history[c] = prompt + [1000 + len(prompt) + i for i in range(reply_tokens)]
+    out = drive(engine, _turns(convs, reply_tokens), verify=verify)
     out["loaded_tokens"] = out["prompt_tokens"] - out["recomputed_tokens"]
     return out
 

@@ -27,6 +27,7 @@ Run alone: ``python -m kvoffload.bench.hybrid_chat [--full] [--seed N]``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvoffload.bench.chat_drive import ChatTurn, FullScale, drive
+from kvoffload.bench.chat_drive import ChatTurn, Driver, FullScale
 from kvoffload.bench.chat_sim import POOL_BYTES, PRESET, run_disk_tier, sim_what_if
 from kvoffload.bench.proc import daemon_process
 from kvoffload.bench.vllm_baseline import mark_not_run
@@ -92,30 +93,35 @@ def _engine(kind: str, slots: int, shape: Any, control: str | None,
 def run_variants(turns: list[ChatTurn], slots: int, variants: Iterable[tuple[str, str,
                                                                            bool | None]],
                  say: Callable[[str], None] = lambda _m: None) -> dict[str, dict[str, Any]]:
-    """(name, "vllm" | "ours", offload_prompt_only or None for the default) per variant; each
-    engine fresh, ours each on a fresh daemon with ``slots`` group blocks of host memory."""
+    """(name, "vllm" | "ours", offload_prompt_only or None for the default) per variant: each
+    its own engine, ours each on its own daemon with ``slots`` group blocks of host memory.
+    The variants take turns request by request (scheduler times under the same load)."""
     shape = engine_shape()
     full = PRESETS[PRESET].geometry(1.0)
     scale = FullScale(full.groups[0].bytes_per_block, shape.mamba_groups, TimeModel())
-    out: dict[str, dict[str, Any]] = {}
-    for name, kind, prompt_only in variants:
-        say(name)
-        if kind == "vllm":
-            engine = _engine(kind, slots, shape, None, prompt_only)
-            try:
-                out[name] = drive(engine, turns, verify=False, scale=scale, gpu_cache=False)
-            finally:
-                engine.shutdown()
-            continue
-        with daemon_process("--lease-ms", "600000", pool_bytes=slots * shape.page,
-                            slot_bytes=0) as (_proc, ready):
-            engine = _engine(kind, slots, shape, ready["control"], prompt_only)
-            try:
-                out[name] = drive(engine, turns, verify=True, scale=scale, gpu_cache=False)
-                out[name]["manager"] = dict(engine.connector.scheduler.manager.counters)
-            finally:
-                engine.shutdown()
-        out[name]["offload_prompt_only"] = prompt_only
+    drivers: dict[str, Driver] = {}
+    settings: dict[str, bool | None] = {}
+    with contextlib.ExitStack() as stack:
+        for name, kind, prompt_only in variants:
+            control = None
+            if kind != "vllm":
+                _proc, ready = stack.enter_context(daemon_process(
+                    "--lease-ms", "600000", pool_bytes=slots * shape.page, slot_bytes=0))
+                control = ready["control"]
+            engine = _engine(kind, slots, shape, control, prompt_only)
+            stack.callback(engine.shutdown)
+            drivers[name] = Driver(engine, verify=kind != "vllm", scale=scale, gpu_cache=False)
+            settings[name] = prompt_only
+        for i, turn in enumerate(turns):
+            if i % 100 == 0:
+                say(f"request {i}/{len(turns)}, {len(drivers)} engines taking turns")
+            for driver in drivers.values():
+                driver.turn(turn)
+        out = {name: d.result() for name, d in drivers.items()}
+        for name, d in drivers.items():
+            out[name]["offload_prompt_only"] = settings[name]
+            if d.verify:  # ours: the plugin manager's own counters
+                out[name]["manager"] = dict(d.engine.connector.scheduler.manager.counters)
     return out
 
 

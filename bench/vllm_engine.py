@@ -161,7 +161,9 @@ class MiniEngine:
         if real_worker:
             worker_cls: Any = OffloadingConnector
             if connector == "KVOffloadConnector":
-                from kvoffload.connector.vllm import KVOffloadConnector as worker_cls
+                from kvoffload.connector.vllm import KVOffloadConnector
+
+                worker_cls = KVOffloadConnector
             self.worker = worker_cls(vc, KVConnectorRole.WORKER, cfg)
             self.worker.register_kv_caches(views)
         self.steps = 0
@@ -269,7 +271,7 @@ class MiniEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.scheduler_seconds += time.perf_counter() - t0
-        meta = out.kv_connector_metadata
+        meta: Any = out.kv_connector_metadata
         kv_out = KVConnectorOutput()
         if self.worker is not None:
             self.worker.handle_preemptions(meta)
