@@ -17,6 +17,10 @@ ALLOW_UNTESTED_ENV = "KVOFFLOAD_ALLOW_UNTESTED_VLLM"
 
 _BOOL_TRUE = ("1", "true", "yes", "on")
 
+# vLLM's ``offload_prompt_only`` when the operator does not set it (KVOffloadSpec applies it).
+# Measured on hybrid_chat through vLLM (BENCHMARKS.md, docs/vllm.md): see the numbers there.
+OFFLOAD_PROMPT_ONLY = True
+
 
 class UntestedVllm(RuntimeError):
     pass

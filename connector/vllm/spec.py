@@ -16,7 +16,12 @@ from kvoffload.connector.session import IndexSession
 from kvoffload.connector.vllm import handover
 from kvoffload.connector.vllm.geometry import build_geometry
 from kvoffload.connector.vllm.manager import DaemonOffloadingManager
-from kvoffload.connector.vllm.settings import _setting, check_vllm_version, manager_settings
+from kvoffload.connector.vllm.settings import (
+    OFFLOAD_PROMPT_ONLY,
+    _setting,
+    check_vllm_version,
+    manager_settings,
+)
 from kvoffload.daemon.security import CurveClientKeys
 from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
     CanonicalKVCaches,
@@ -45,6 +50,8 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             raise ValueError("kvoffload stores one GPU block per key: blocks_per_chunk (or "
                              "block_size in kv_connector_extra_config) must be 1 block")
         self.settings = manager_settings(self.extra_config)
+        if "offload_prompt_only" not in self.extra_config:  # vLLM's key, our default
+            self.offload_prompt_only = OFFLOAD_PROMPT_ONLY
         self.handover = handover.CURRENT.get()
         kv_cache_config = self.handover.kv_cache_config if self.handover else None
         if self.handover is None:
