@@ -108,7 +108,7 @@ def test_seeds_with_an_error_and_bad_counts(capsys: pytest.CaptureFixture[str]) 
 def test_libraries_are_quiet_unless_verbose(monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str],
                                             tmp_path: Path) -> None:
-    for key in ("KVOFFLOAD_BENCH_QUIET", "VLLM_LOGGING_LEVEL", "GLOG_minloglevel",
+    for key in ("KVO_BENCH_QUIET", "VLLM_LOGGING_LEVEL", "GLOG_minloglevel",
                 "MC_LOG_LEVEL"):
         monkeypatch.delenv(key, raising=False)
     vllm_log = logging.getLogger("vllm")
@@ -119,14 +119,14 @@ def test_libraries_are_quiet_unless_verbose(monkeypatch: pytest.MonkeyPatch,
         return {"ratio": 5.0, "target": 4.0, "meets": True}
 
     _run(monkeypatch, capsys, tmp_path, {"events": events}, "--verbose")
-    assert "KVOFFLOAD_BENCH_QUIET" not in os.environ
+    assert "KVO_BENCH_QUIET" not in os.environ
     assert vllm_log.getEffectiveLevel() < logging.ERROR
     monkeypatch.setattr(cli, "_suite", lambda name: events)
     assert main(["bench", "--suite", "events", "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "vLLM chatter" not in err and "running events" in err  # a phase line, no TTY
     env = os.environ
-    assert env["KVOFFLOAD_BENCH_QUIET"] == "1" and env["GLOG_minloglevel"] == "2"
+    assert env["KVO_BENCH_QUIET"] == "1" and env["GLOG_minloglevel"] == "2"
 
 
 def test_a_bar_on_a_tty() -> None:

@@ -101,3 +101,20 @@ def test_demo_ends_with_one_line_when_the_daemon_dies(tmp_path) -> None:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "the daemon stopped answering after" in lines[0], err
     assert "of 1000000 requests" in lines[0] and out == ""
+
+
+def test_second_daemon_on_one_mooncake_master_serves_more() -> None:
+    """Two daemons on one real mooncake_master, the same seeded demo: B gets A's blocks from
+    the store (the demo asks deferred answers again), so B serves more than A."""
+    import pytest
+    from kvoffload.bench.mooncake_run import mooncake_unavailable
+
+    if (why := mooncake_unavailable()) is not None:
+        pytest.skip(why)
+    from kvoffload.bench.demo_shared import run_demo_shared
+
+    r = run_demo_shared(requests=60, seed=3)
+    assert r["a"]["verify_failures"] == r["b"]["verify_failures"] == 0
+    assert r["a"]["errors"] == r["b"]["errors"] == 0
+    assert r["b_promotions_ok"] > 0 and r["b"]["deferred_steps"] > 0
+    assert r["b"]["hit_tokens"] > r["a"]["hit_tokens"] and r["meets"]
