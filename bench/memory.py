@@ -36,6 +36,7 @@ __all__ = ["run_memory_bench", "index_bytes_per_block", "daemon_rss"]
 BYTES_PER_BLOCK_TARGET = 256
 RSS_TARGET_BYTES = 300 * 10**6
 RSS_TARGET_BLOCKS = 1_000_000
+ENGINES = 4  # clients filling the daemon in turn
 BATCH = 10_000
 SLOT = 64
 
@@ -90,31 +91,39 @@ def daemon_rss(sizes: Sequence[int], progress: Callable[[str], None] | None = No
     say = progress or (lambda _msg: None)
     geometry: Geometry = PRESETS["qwen3.6-27b-tp1"].geometry(1e-9)
     top = max(sizes)
-    client: DaemonClient | None = None
+    clients: list[DaemonClient] = []
     with daemon_process("--lease-ms", "600000", pool_bytes=SLOT * (top + 16),
                         slot_bytes=SLOT) as (proc, info):
         try:
-            client = DaemonClient(info["control"], timeout_ms=120_000, name="bench memory")
-            client.register(geometry)
+            # Several engines fill it, as on a node: the daemon caps what one client may
+            # hold (client_pool_share_pct, 50 % by default).
+            for i in range(ENGINES):
+                clients.append(DaemonClient(info["control"], timeout_ms=120_000,
+                                            name=f"bench memory {i}"))
+                clients[-1].register(geometry)
             rss = {"0": _rss_anon(proc.pid)}
             keys = _keys(top, seed=3)
+            # A client's pending stores count against its share: batches well under it.
+            step = max(1, min(BATCH, (top + 16) // (2 * ENGINES)))
             done = 0
             t0 = time.perf_counter()
             for size in sorted(sizes):
                 say(f"daemon RSS at {size:,} blocks")
                 while done < size:
-                    batch = keys[done:min(size, done + BATCH)]
+                    batch = keys[done:min(size, done + step)]
+                    client = clients[done // step % ENGINES]
                     grant = client.prepare_store([p.StoreItem(key=k, end_token=16) for k in batch])
-                    assert all(o == p.StoreOutcome.GRANTED for o in grant.outcomes)
+                    assert all(o == p.StoreOutcome.GRANTED for o in grant.outcomes), (
+                        done, sorted({str(o) for o in grant.outcomes}))
                     client.commit_store(batch)
                     done += len(batch)
                 rss[str(size)] = _rss_anon(proc.pid)
-            stats = client.stats()
+            stats = clients[0].stats()
             return {"rss_anon_bytes": rss, "ready_blocks": stats["ready"],
                     "fill_seconds": round(time.perf_counter() - t0, 2),
                     "fill_batch": BATCH}
         finally:
-            if client is not None:
+            for client in clients:
                 client.close()
 
 
@@ -149,17 +158,25 @@ def run_memory_bench(quick: bool = True, *, sizes: Sequence[int] | None = None,
     out["rss_bytes_per_block"] = round((anon[str(top)] - anon["0"]) / top, 1)
     out["rss_meets"] = at_target <= RSS_TARGET_BYTES
     out["meets"] = out["ratio"] <= 1.0 and out["rss_meets"]
-    missed = []
-    if out["ratio"] > 1.0:
-        missed.append(f"index {per_block[str(top)]:.0f} B/block at {top:,} blocks vs "
-                      f"{BYTES_PER_BLOCK_TARGET} B target ({(out['ratio'] - 1) * 100:.1f} % over)")
-    if not out["rss_meets"]:
-        how = "measured" if top >= RSS_TARGET_BLOCKS else "extrapolated"
-        missed.append(f"daemon RSS at {RSS_TARGET_BLOCKS:,} blocks {how} {at_target / 1e6:.0f} MB "
-                      f"vs {RSS_TARGET_BYTES / 1e6:.0f} MB target "
-                      f"({(at_target / RSS_TARGET_BYTES - 1) * 100:.1f} % over)")
-    out["reason"] = "; ".join(missed) if missed else "all sub-targets met"
+    out["reason"] = memory_reason(out)
     return out
+
+
+def memory_reason(out: dict[str, Any]) -> str:
+    """Which of the two memory targets missed, and by how much."""
+    missed = []
+    top = max(out["sizes"])
+    if out["ratio"] > 1.0:
+        missed.append(f"index {out['index_bytes_per_block'][str(top)]:.0f} B/block at {top:,} "
+                      f"blocks vs {BYTES_PER_BLOCK_TARGET} B target "
+                      f"({(out['ratio'] - 1) * 100:.1f} % over)")
+    at = out["rss_at_1m_bytes"]
+    if at > RSS_TARGET_BYTES:
+        how = "measured" if top >= RSS_TARGET_BLOCKS else "extrapolated"
+        missed.append(f"daemon RSS at {RSS_TARGET_BLOCKS:,} blocks {how} {at / 1e6:.0f} MB vs "
+                      f"{RSS_TARGET_BYTES / 1e6:.0f} MB target "
+                      f"({(at / RSS_TARGET_BYTES - 1) * 100:.1f} % over)")
+    return "; ".join(missed) if missed else "all sub-targets met"
 
 
 if __name__ == "__main__":

@@ -245,6 +245,22 @@ def test_memory_suite_smoke() -> None:
     assert set(r["rss_anon_bytes"]) == {"0", "200", "2000"}
     assert r["ready_blocks"] == 2_000
     assert "extrapolated" in r["rss_at_1m_note"]
+    assert (r["reason"] == "all sub-targets met") is r["meets"], r["reason"]
+
+
+def test_memory_reason_names_the_missed_target() -> None:
+    from kvoffload.bench.memory import memory_reason
+
+    base = {"sizes": [1_000, 100_000], "index_bytes_per_block": {"100000": 200.0},
+            "ratio": 200 / 256, "rss_at_1m_bytes": 250 * 10**6}
+    assert memory_reason(base) == "all sub-targets met"
+    assert memory_reason({**base, "rss_at_1m_bytes": 309 * 10**6}) == (
+        "daemon RSS at 1,000,000 blocks extrapolated 309 MB vs 300 MB target (3.0 % over)")
+    both = memory_reason({**base, "ratio": 1.25, "index_bytes_per_block": {"1000000": 320.0},
+                          "sizes": [1_000, 1_000_000], "rss_at_1m_bytes": 330 * 10**6})
+    assert both == ("index 320 B/block at 1,000,000 blocks vs 256 B target (25.0 % over); "
+                    "daemon RSS at 1,000,000 blocks measured 330 MB vs 300 MB target "
+                    "(10.0 % over)")
 
 
 @pytest.mark.vllm
