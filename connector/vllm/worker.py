@@ -29,6 +29,7 @@ from kvoffload.connector.copier import (
     items_for_groups,
     layout_from_canonical,
 )
+from kvoffload.connector.copy_cpu import KVHugePages
 from kvoffload.connector.index_view import IndexGone, SlotGenerations
 from kvoffload.connector.pool_map import PoolMapping
 from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
@@ -81,6 +82,9 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._task: MappingTask | None = (
             MappingTask(pool_path, label=f" worker rank {rank}", device=self.layout.device)
             if pool_path else None)
+        # CPU KV tensors onto huge pages now, in the background too (copy_cpu.KVHugePages).
+        self._huge_pages = (KVHugePages.for_tensors(self.layout.tensors)
+                            if self.layout.device.type == "cpu" else None)
 
     def _copier_for(self, pool: PoolInfo) -> BlockCopier | RefusedCopier:
         """The copier for ``pool``; never raises (a pool it cannot use fails every job)."""
@@ -107,7 +111,7 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             self._mapping = task.wait_ready()  # at once when mapped at creation
             self._copier = BlockCopier(self._mapping, self.layout, self.rank, self.tp_world_size,
                                        pool.slot_bytes, self.layout.device,
-                                       cpu_async=self.cpu_async)
+                                       cpu_async=self.cpu_async, kv_huge_pages=False)
             self._copier.expedited_jobs = self._expedited
         except (OSError, ValueError, RuntimeError) as exc:  # GeometryError is a ValueError
             log.error("kvoffload worker rank %d: cannot copy with pool %s; its jobs fail: %s",
