@@ -13,17 +13,23 @@ consecutive slots) and ``shuffled`` (random block ids and slots, as a long-runni
 pool have them: no two items coalesce). Per pattern, a store job (KV -> pool slots) and a load
 job (slots -> other KV blocks), each waited for, through a real pre-faulted ``/dev/shm`` file.
 
-Floor: the same number of bytes copied in one contiguous piece between the same kinds of memory
-a job touches: a torch tensor and the pre-faulted pool mapping, the faster of torch ``copy_`` (2
-OpenMP threads) and two threads of ``np.copyto`` over halves (CPU); pinned host <-> device
-``copy_`` (CUDA).
-Everything is interleaved rep by rep so drift hits both sides alike; medians are reported.
-Each job is larger than the last-level cache (32 MiB here), so neither side copies from cache.
+Floor: the same number of bytes copied in one contiguous piece between the same two mappings
+a job copies between, in the same state: on CPU a spare tail of the KV allocation itself (its
+pages, huge once the copier advised them, exactly as the job's KV side) <-> the pre-faulted
+pool mapping, the faster of torch ``copy_`` (2 OpenMP threads) and two threads of
+``np.copyto`` over halves; on CUDA pinned host <-> device ``copy_``. Every timed call starts
+after 64 MiB streamed through the caches, and each job is larger than the last-level cache
+(32 MiB here), so neither side copies from cache. Everything is interleaved rep by rep.
 
-``ratio`` is the worst ours / floor over every (page, pattern, direction); the target is 0.8 on
-CPU and 0.9 on CUDA. On CPU, ``native gather`` copies the shuffled store's scattered rows with one
-native torch op on one thread (no Python per block): what the access pattern itself allows on this memory,
-which is what limits small pages (4 KiB pages, rows spread over the layers' buffers). Bytes are checked after the last rep, so a fast wrong copy cannot pass.
+Three statistics (on a shared 2-core box one of them alone misleads): ``ratios`` from the
+fastest rep of each side (the headline: noise only ever adds time), ``ratios_median`` from
+medians, ``ratios_paired`` per rep against that rep's own floor, median over reps. ``ratio``
+is the worst best-of ours / floor over every (page, pattern, direction); the target is 0.8 on
+CPU and 0.9 on CUDA. On CPU, ``native gather`` copies the shuffled store's scattered rows with
+one native torch op on one thread (no Python per block): what the access pattern itself allows.
+``--4k-pages`` leaves the CPU KV tensors on 4 KiB pages, where small pages' scattered rows cost
+a TLB walk each (copy_cpu.KVHugePages). Bytes are checked after the last rep, so a fast wrong
+copy cannot pass. ``first_job``: copy_checks.run_first_job.
 vLLM's own CPU offloading worker is the other baseline where it can run: it refuses to build
 without CUDA, and its copies are compiled vLLM ops (not in the pure-Python install).
 """

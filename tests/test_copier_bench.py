@@ -27,3 +27,15 @@ def test_processes_sharing_one_pool_check_each_others_pages() -> None:
     r = bench.run_two_process_check(world=2)
     assert r["meets"], r
     assert {int(k) for k in r["ranks"]} == {0, 1}
+
+
+def test_first_job_check_runs_both_worker_lives_and_verifies() -> None:
+    r = bench.run_first_job(sizes=(64 << 20, 4 << 20, 2))
+    for case in ("mapped at creation", "mapped in the first job"):
+        life = r[case]
+        assert life["verified"], r
+        assert len(life["lives"]) == 2
+        assert life["first_job_ms"] > 0 and life["later_jobs_p50_ms"] > 0
+    # Mapping at creation happens before the first step; the old path has none of it there.
+    assert r["mapped at creation"]["setup_before_first_step_s"] > 0
+    assert r["mapped in the first job"]["setup_before_first_step_s"] == 0
