@@ -110,6 +110,20 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     shared_index: bool = True
     # Most empty slots one engine may hold for its next stores (prepare_store never waits).
     max_reserved_slots: int = 256
+    # Per-client quotas (docs/security.md "Quotas"): slots one client may hold at once as
+    # pins, pending stores and reservations together, in percent of the pool's slots; pending
+    # stores (with reservations) and pins each have their own cap too (0: the share's number).
+    client_pool_share_pct: int = 50
+    client_max_pending: int = 0
+    client_max_pins: int = 0
+    # Client identities one peer may hold (its CURVE key on a CURVE socket, else its tcp
+    # address; ipc peers are all the daemon's own user and are not limited per peer).
+    max_clients_per_peer: int = 256
+    # Reset(scope="namespace"): "sole" = allowed when the caller is the only live client
+    # registered in the namespace, or presents the operator credential; "operator" = only
+    # with the credential; "any" = every registrant (the old rule). scope="own" always works.
+    reset_namespace: str = "sole"
+    operator_token_file: str | None = None  # a 0600 file holding the operator credential
     curve_server_key: str | None = None  # daemon secret key file: CURVE on the control socket
     curve_client_keys: str | None = None  # allow-list: dir of NAME.key files, or one file
 
@@ -129,6 +143,13 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("max_keys_per_request", self.max_keys_per_request > 0, "must be positive"),
             ("max_clients", self.max_clients > 0, "must be positive"),
             ("max_reserved_slots", self.max_reserved_slots >= 0, "must be >= 0"),
+            ("client_pool_share_pct", 1 <= self.client_pool_share_pct <= 100,
+             "must be 1..100"),
+            ("client_max_pending", self.client_max_pending >= 0, "must be >= 0"),
+            ("client_max_pins", self.client_max_pins >= 0, "must be >= 0"),
+            ("max_clients_per_peer", self.max_clients_per_peer > 0, "must be positive"),
+            ("reset_namespace", self.reset_namespace in ("sole", "operator", "any"),
+             "must be sole, operator or any"),
             ("disk_read_bytes_per_s", self.disk_read_bytes_per_s > 0, "must be positive"),
             ("disk_bytes", self.disk_bytes >= 0 and
              (self.disk_dir is None or self.disk_bytes > 0),

@@ -29,6 +29,7 @@ class ClientState:
     owner: int = 0  # its engine instance's owner id (who stored a block)
     reads_index: bool = False
     reader_record: int = -1  # its record in the shared index's readers file
+    peer: str = ""  # who connected (CURVE key or tcp address; "" on ipc): identities per peer
 
     def expires_at(self) -> float:
         return self.last_seen + self.lease_ms / 1000
@@ -53,28 +54,48 @@ def drop_pin(index: BlockIndex, client: ClientState, slot: int) -> bool:
 
 
 class Leases:
-    def __init__(self, default_lease_ms: int, max_clients: int) -> None:
+    def __init__(self, default_lease_ms: int, max_clients: int,
+                 max_per_peer: int | None = None) -> None:
         self.default_lease_ms = default_lease_ms
         self.max_clients = max_clients
+        # One peer (a CURVE key, a tcp address) may not take every identity: others must
+        # still get in. Peers on ipc ("") are the daemon's own user and are not limited.
+        self.max_per_peer = max_clients if max_per_peer is None else max_per_peer
         self.clients: dict[bytes, ClientState] = {}
+        self.per_peer: Counter[str] = Counter()
+        self.refusal = ""  # why the last ``seen`` returned None: "clients" or "peer"
 
-    def seen(self, identity: bytes) -> ClientState | None:
-        """Renew and return the sender's state; None when a new client would exceed the cap."""
+    def seen(self, identity: bytes, peer: str = "") -> ClientState | None:
+        """Renew and return the sender's state; None when a new client would exceed a cap
+        (``refusal`` says which)."""
         state = self.clients.get(identity)
         if state is None:
             if len(self.clients) >= self.max_clients:
+                self.refusal = "clients"
                 return None
-            state = self.clients[identity] = ClientState(identity, lease_ms=self.default_lease_ms)
+            if peer and self.per_peer[peer] >= self.max_per_peer:
+                self.refusal = "peer"
+                return None
+            state = self.clients[identity] = ClientState(identity, lease_ms=self.default_lease_ms,
+                                                         peer=peer)
+            if peer:
+                self.per_peer[peer] += 1
         else:
             state.last_seen = time.monotonic()
         return state
+
+    def remove(self, client: ClientState) -> None:
+        if self.clients.pop(client.identity, None) is not None and client.peer:
+            self.per_peer[client.peer] -= 1
+            if self.per_peer[client.peer] <= 0:
+                del self.per_peer[client.peer]
 
     def expired(self, now: float | None = None) -> list[ClientState]:
         """Remove and return every client whose lease ran out."""
         now = time.monotonic() if now is None else now
         gone = [c for c in self.clients.values() if c.expires_at() <= now]
         for c in gone:
-            del self.clients[c.identity]
+            self.remove(c)
         return gone
 
     def __len__(self) -> int:

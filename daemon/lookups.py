@@ -22,14 +22,14 @@ from kvoffload.daemon.index import BlockIndex, Namespace
 from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.leases import ClientState, take_pin
 from kvoffload.daemon.metrics import DaemonMetrics
+from kvoffload.daemon.quotas import Quotas
 from kvoffload.daemon.tiers.promote import Promoter
 from kvoffload.daemon.types import KeyStatus
 
 # A parked lookup holds memory and a future: bound how long a client can make it wait.
 MAX_WAIT_MS = 60_000
 # Hashes one query may carry: 2M tokens at 16 tokens per hash. A query is one unit of work
-# on the loop (the pure lookup cannot yield), so this bounds the longest stall one query can
-# cause when it is not scanned in a thread (with a tier configured).
+# (the pure lookup cannot yield); a long one is scanned in a worker thread, tiers or not.
 MAX_QUERY_HASHES = 1 << 17
 # A message whose queries hold more hashes than this is answered in slices of about this
 # many hashes, yielding to the loop in between (other clients, /healthz, timers).
@@ -63,6 +63,7 @@ class LookupHandler:
         # client that left takes no pins when its keys commit; nobody would release them.
         self.client_alive: Callable[[ClientState], bool] = lambda client: True
         self.draining = False
+        self.quotas: Quotas | None = None  # per-client caps (set by Service)
         self._stop: asyncio.Future[bool] | None = None  # resolved by stop_waiting()
 
     def _validate_query(self, ns: Namespace, q: p.LookupQuery) -> None:
@@ -94,9 +95,13 @@ class LookupHandler:
                     pin: bool) -> tuple[p.LookupAnswer, list[bytes]]:
         return self._conclude(client, ns, q, self._scan(ns, q), pin)
 
-    def _scan(self, ns: Namespace, q: p.LookupQuery) -> _Scan:
-        """The pure lookup against the index: reads only, so it may run in a worker thread
-        (no tiers then: their peek is the loop's)."""
+    def _scan(self, ns: Namespace, q: p.LookupQuery, known: dict[bytes, KeyStatus] | None = None,
+              asks: list[bytes] | None = None) -> _Scan:
+        """The pure lookup against the index: reads only, so it may run in a worker thread.
+
+        In a thread (``known`` given) the tiers are asked from memory only (``peek_local``);
+        a key only the loop can ask about (a shared store) is taken as MISS unless ``known``
+        says otherwise, and listed in ``asks`` for the loop to ask."""
         hits: list[bytes] = []
         pending: list[bytes] = []
         misses: list[bytes] = []
@@ -104,10 +109,21 @@ class LookupHandler:
         tiers = self.tiers
         in_tiers: set[bytes] = set()
 
+        def tier_peek(key: bytes) -> KeyStatus:
+            assert tiers is not None
+            if known is None:
+                return tiers.peek(ns, key)
+            got = known.get(key)
+            if got is None:
+                got = tiers.peek_local(ns, key)
+                if got is KeyStatus.MISS and tiers.asks_remote and asks is not None:
+                    asks.append(key)
+            return got
+
         def probe(key: bytes) -> KeyStatus:
             s = status(ns, key)
             if s is KeyStatus.MISS and tiers is not None:
-                s = tiers.peek(ns, key)  # a tier holds it: HIT_PENDING, promoted below if needed
+                s = tier_peek(key)  # a tier holds it: HIT_PENDING, promoted below if needed
                 if s is KeyStatus.HIT_PENDING:
                     in_tiers.add(key)
             if s is KeyStatus.HIT:
@@ -126,6 +142,24 @@ class LookupHandler:
         except ValueError as exc:  # hashes that cannot cover the request, and the like
             raise _bad(f"request {q.req_id!r}: {exc}") from None
         return _Scan(out, hits, pending, misses, in_tiers)
+
+    async def _scan_off_loop(self, ns: Namespace, q: p.LookupQuery) -> _Scan:
+        """Scan in a worker thread; the loop only answers the shared store's questions (the
+        few keys no local map knows) and checks the result still holds. A result that keeps
+        moving is scanned on the loop once, the way short queries are."""
+        known: dict[bytes, KeyStatus] = {}
+        for _ in range(3):
+            asks: list[bytes] = []
+            scan = await asyncio.to_thread(self._scan, ns, q, known, asks)
+            changed = False
+            if asks:
+                assert self.tiers is not None
+                for key in asks:
+                    known[key] = self.tiers.peek(ns, key)
+                    changed = changed or known[key] is not KeyStatus.MISS
+            if not changed and self._still_valid(ns, scan):
+                return scan
+        return self._scan(ns, q)
 
     def _still_valid(self, ns: Namespace, scan: _Scan) -> bool:
         """A scan made off the loop still holds if every key its hit loads is READY now (a
@@ -163,7 +197,13 @@ class LookupHandler:
             reason = reason or self._miss_reason(ns, q, hits, misses)
         else:
             slots = [self.index.ready_slot(ns, k) or 0 for k in out.load_keys]
-            if pin:
+            if pin and self.quotas is not None and self.quotas.room_pins(client) < len(slots):
+                # Pinning this hit would pass the client's share: a miss it can see, counted.
+                self.quotas.refused("pins", len(slots))
+                self.metrics.loads.labels("quota").inc(len(slots))
+                out = lk.LookupOutcome(0, 0, None, [], [], out.probes)
+                reason, slots = "quota", []
+            elif pin:
                 # Recency is updated when the load completes (complete_load), not here: a
                 # lookup that loads nothing must not reorder the policy.
                 for slot in slots:
@@ -268,10 +308,8 @@ class LookupHandler:
         budget = 0
         for q in msg.queries:
             n = len(q.hashes())
-            if n >= THREAD_HASHES and self.tiers is None:
-                scan = await asyncio.to_thread(self._scan, ns, q)
-                if not self._still_valid(ns, scan):
-                    scan = self._scan(ns, q)
+            if n >= THREAD_HASHES:
+                scan = await self._scan_off_loop(ns, q)
                 a, deferred = self._conclude(client, ns, q, scan, msg.pin)
                 budget = 0
             else:

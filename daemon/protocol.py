@@ -29,6 +29,7 @@ class ErrorCode(enum.StrEnum):
     BAD_REQUEST = "bad_request"  # well-formed but out of range / inconsistent
     TOO_LARGE = "too_large"  # message, batch or key count over a configured limit
     SHUTTING_DOWN = "shutting_down"
+    FORBIDDEN = "forbidden"  # refused by a rule, not by its form (a Reset without consent)
     INTERNAL = "internal"
 
 
@@ -36,6 +37,7 @@ class StoreOutcome(enum.StrEnum):
     GRANTED = "granted"  # a slot was reserved: write it, then commit
     EXISTS = "exists"  # already stored (or being stored): nothing to write
     NO_SPACE = "no_space"  # every slot is pinned or pending: refused, nothing blocks
+    QUOTA = "quota"  # this client holds its share of the pool already (docs/security.md)
     TOO_BIG = "too_big"  # the engine's block does not fit one pool slot
     NOT_WORTH = "not_worth"  # a tail whose load would cost more than recomputing its tokens
 
@@ -160,6 +162,9 @@ class Reset(_Msg, tag="reset"):
 
     engine: int
     scope: str = "namespace"
+    # The daemon's operator credential (``operator_token_file``): a namespace reset without
+    # the consent rule's other condition (docs/security.md).
+    credential: str = ""
 
 
 class SlotRef(msgspec.Struct, frozen=True, array_like=True):

@@ -82,6 +82,18 @@ def _salvage_rid(payload: bytes) -> int:
         return 0
 
 
+def _peer_of(frame: zmq.Frame) -> str:
+    """A CURVE client's key (ZAP's User-Id), else the tcp peer's address."""
+    for prop in ("User-Id", "Peer-Address"):
+        try:
+            value = frame.get(prop)
+        except zmq.ZMQError:
+            continue
+        if value:
+            return f"{prop}:{value}"
+    return ""
+
+
 class Server:
     def __init__(self, config: Config, ready_file: str | None = None) -> None:
         self.config = config
@@ -354,7 +366,7 @@ class Server:
         self.metrics.refused.labels(reason).inc()
         return p.Error(rid=rid, code=code, message=message)
 
-    def answer(self, identity: bytes, payload: bytes) -> p._Msg | Any:
+    def answer(self, identity: bytes, payload: bytes, peer: str = "") -> p._Msg | Any:
         """Decode and handle one frame; never raises for anything a client can send."""
         if len(payload) > self.config.max_message_bytes:  # checked before any decoding
             return self._refuse("frame_too_large", _salvage_rid(payload), p.ErrorCode.TOO_LARGE,
@@ -372,7 +384,7 @@ class Server:
                                 f"{self.parked.limit} lookups of this client are parked "
                                 "already")
         try:
-            out = self.service.handle(identity, msg)
+            out = self.service.handle(identity, msg, peer)
             if isinstance(msg, p.Bye):  # gone now: its parked lookups answer nobody
                 self.parked.cancel_departed(self.service.leases.clients)
             return out
@@ -382,7 +394,11 @@ class Server:
             log.exception("internal error while handling %s", type(msg).__name__)
             return p.Error(rid=msg.rid, code=p.ErrorCode.INTERNAL, message="internal error")
 
-    async def _serve_frames(self, frames: list[bytes]) -> None:
+    async def _serve_frames(self, frames: list[Any]) -> None:
+        peer = ""
+        if frames and isinstance(frames[-1], zmq.Frame):  # tcp: who sent it, for per-peer caps
+            peer = _peer_of(frames[-1])
+            frames = [f.bytes for f in frames]
         if len(frames) != 2:
             if len(frames) > 2:  # _reply counts the error
                 await self._reply(frames[0], p.Error(
@@ -391,7 +407,7 @@ class Server:
             return
         identity, payload = frames
         try:
-            out = self.answer(identity, payload)
+            out = self.answer(identity, payload, peer)
             if isinstance(out, p._Msg):
                 await self._reply(identity, out)
             else:
@@ -409,14 +425,17 @@ class Server:
         sock = self._sock
         assert sock is not None
         clock = asyncio.get_running_loop().time
+        # On tcp the frames' metadata names the peer (identities per peer); ipc peers are all
+        # the daemon's own user, and bytes are cheaper to receive.
+        copy = self.config.control.startswith("ipc://")
         while True:
-            await self._serve_frames(await sock.recv_multipart())
+            await self._serve_frames(await sock.recv_multipart(copy=copy))
             end = clock() + TURN_SECONDS
             for _ in range(TURN_FRAMES - 1):
                 if clock() >= end:
                     break
                 try:
-                    frames = await sock.recv_multipart(zmq.NOBLOCK)
+                    frames = await sock.recv_multipart(zmq.NOBLOCK, copy=copy)
                 except zmq.Again:
                     break
                 await self._serve_frames(frames)

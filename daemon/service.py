@@ -25,6 +25,7 @@ from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.leases import ClientState, Leases, drop_pin, take_pin
 from kvoffload.daemon.lookups import LookupHandler
 from kvoffload.daemon.metrics import DaemonMetrics
+from kvoffload.daemon.quotas import Quotas
 from kvoffload.daemon.shared_index import index_path_for
 from kvoffload.daemon.steps import StepHandler
 from kvoffload.daemon.types import Geometry, GroupKind, KeyStatus
@@ -77,7 +78,8 @@ class Service:
         index.on_ready.append(events.stored)
         index.on_drop.append(events.dropped)
         index.on_abort.append(lambda ns, key, slot: events.forget(slot))
-        self.leases = Leases(config.lease_ms, config.max_clients)
+        self.leases = Leases(config.lease_ms, config.max_clients, config.max_clients_per_peer)
+        self.quotas = Quotas(config, index, metrics)
         self.daemon_id = uuid.uuid4().hex
         self.draining = False
         self._pending_owner: dict[int, ClientState] = {}
@@ -85,6 +87,7 @@ class Service:
         self.lookups = LookupHandler(index, metrics, events, self.totals)
         self.steps = StepHandler(index, metrics, events, self.totals, config.max_reserved_slots)
         self.steps.pending_owner = self._pending_owner
+        self.steps.quotas = self.lookups.quotas = self.quotas
         if config.shared_index:
             index.share(str(index_path_for(index.pool.path)), self.daemon_id)
         self._free_records = list(range(config.max_clients - 1, -1, -1))
@@ -102,14 +105,21 @@ class Service:
 
     # -- dispatch ---------------------------------------------------------------------
 
-    def handle(self, identity: bytes, msg: p._Msg) -> p._Msg | Awaitable[p._Msg]:
-        """Answer one decoded request; raises RequestError for a typed error reply."""
+    def handle(self, identity: bytes, msg: p._Msg,
+               peer: str = "") -> p._Msg | Awaitable[p._Msg]:
+        """Answer one decoded request; raises RequestError for a typed error reply.
+        ``peer``: who connected (CURVE key or tcp address), for the identities-per-peer cap."""
         self.metrics.requests.labels(type(msg).__name__.lower()).inc()
         if self.draining and not isinstance(msg, (p.CommitStore, p.CompleteLoad, p.Heartbeat,
                                                   p.Bye)):
             raise RequestError(p.ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-        client = self.leases.seen(identity)
+        client = self.leases.seen(identity, peer)
         if client is None:
+            if self.leases.refusal == "peer":
+                self.metrics.refused.labels("peer_identities").inc()
+                raise RequestError(p.ErrorCode.TOO_LARGE, "this peer holds "
+                                   f"{self.config.max_clients_per_peer} client identities "
+                                   "already (max_clients_per_peer)")
             raise RequestError(p.ErrorCode.TOO_LARGE,
                                f"client limit reached ({self.config.max_clients})")
         for field in ("keys", "items", "queries", "pins", "releases", "claims", "commits",
@@ -223,7 +233,7 @@ class Service:
         pending = len(client.pending)
         released = self._release_client(client, fence=False)
         self.metrics.stores.labels("aborted").inc(pending)
-        self.leases.clients.pop(client.identity, None)
+        self.leases.remove(client)
         self.metrics.clients.set(len(self.leases))
         return p.Ack(rid=msg.rid, count=released)
 
@@ -259,6 +269,7 @@ class Service:
         outcomes: list[p.StoreOutcome] = []
         slots: list[int] = []
         evicted: list[bytes] = []
+        room = self.quotas.room_pending(client)
         for item in msg.items:
             if item.tail and ns.cost is not None and not ns.cost.admit_tail(item.end_token):
                 # A later hit on this tail would cost more to load than to recompute.
@@ -267,7 +278,14 @@ class Service:
                 self.metrics.stores.labels("not_worth").inc()
                 self.metrics.tails_declined.labels("store").inc()
                 continue
-            got = self.index.prepare(ns, item.key, item.end_token, item.tail)
+            if room <= 0 and self.index.status(ns, item.key) is KeyStatus.MISS:
+                # This client holds its share already: refused and counted, never granted.
+                outcomes.append(p.StoreOutcome.QUOTA)
+                slots.append(-1)
+                self.metrics.stores.labels("quota").inc()
+                self.quotas.refused("pending")
+                continue
+            got = self.index.prepare(ns, item.key, item.end_token, item.tail, client.owner)
             evicted.extend(key for victim_ns, key, _ in got.evicted if victim_ns is ns)
             if got.evicted:
                 self.metrics.evictions.labels(self.index.policy.name, "capacity").inc(
@@ -277,6 +295,7 @@ class Service:
                 self.events.remember(got.slot, item)
                 client.pending.add(got.slot)
                 self._pending_owner[got.slot] = client
+                room -= 1
             else:
                 outcome = p.StoreOutcome.EXISTS if got.exists else p.StoreOutcome.NO_SPACE
             outcomes.append(outcome)
@@ -314,12 +333,19 @@ class Service:
         ns = self._ns(msg.engine)
         self._check_keys(ns, msg.keys)
         slots = []
+        room = self.quotas.room_pins(client)
         for key in msg.keys:
             slot = self.index.ready_slot(ns, key)
             if slot is None:
                 slots.append(-1)
                 self.metrics.loads.labels("missing").inc()
                 continue
+            if room <= 0:  # its pins hold its share of the pool: not pinned, counted
+                slots.append(-1)
+                self.metrics.loads.labels("quota").inc()
+                self.quotas.refused("pins")
+                continue
+            room -= 1
             take_pin(self.index, client, slot)
             self.index.touch(slot)
             slots.append(slot)
@@ -362,8 +388,13 @@ class Service:
     def reset(self, client: ClientState, msg: p.Reset) -> p.Ack:
         if msg.scope not in ("namespace", "own"):
             raise _bad("scope must be 'namespace' or 'own'")
+        ns = self._ns(msg.engine)
+        # Other engines' blocks need their consent or the operator. A client that named no
+        # engine instance (owner 0) shares "own" with every other anonymous one: same rule.
+        if msg.scope == "namespace" or client.owner == 0:
+            self.quotas.check_reset(client, ns, self.leases, msg.credential)
         owner = client.owner if msg.scope == "own" else None
-        count = self.index.reset(self._ns(msg.engine), owner)
+        count = self.index.reset(ns, owner)
         self.metrics.evictions.labels(self.index.policy.name, "reset").inc(count)
         self._update_pool_gauges()
         return p.Ack(rid=msg.rid, count=count)

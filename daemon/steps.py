@@ -28,6 +28,7 @@ from kvoffload.daemon.index import BlockIndex, Namespace
 from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.leases import ClientState, drop_pin
 from kvoffload.daemon.metrics import DaemonMetrics
+from kvoffload.daemon.quotas import Quotas
 from kvoffload.daemon.tiers.promote import Promoter
 from kvoffload.daemon.types import KeyStatus
 
@@ -45,6 +46,7 @@ class StepHandler:
         self.max_reserved = max_reserved
         self.tiers: Promoter | None = None
         self.pending_owner: dict[int, ClientState] = {}  # shared with Service
+        self.quotas: Quotas | None = None  # per-client caps (set by Service)
 
     def reservation_cap(self) -> int:
         """Slots one client may hold empty: bounded by config and by an eighth of the pool."""
@@ -66,9 +68,17 @@ class StepHandler:
         self._validate(ns, msg)
         idx, m = self.index, self.metrics
         reply = p.StepReply(rid=msg.rid)
+        room = self.quotas.room_pins(client) if self.quotas is not None and msg.pins else 0
         for ref in msg.pins:
+            if room <= 0:  # its share of the pool is pinned already: the load fails, counted
+                reply.lost.append(ref.key)
+                m.loads.labels("quota").inc()
+                assert self.quotas is not None
+                self.quotas.refused("pins")
+                continue
             if ns.keys.get(ref.key, ref.slot) == ref.slot and idx.pin_generation(ref.slot,
                                                                                  ref.gen):
+                room -= 1
                 client.pins[ref.slot] += 1
                 idx.touch(ref.slot)
                 m.loads.labels("pinned").inc()
@@ -146,6 +156,11 @@ class StepHandler:
 
     def _reserve(self, client: ClientState, want: int, reply: p.StepReply) -> None:
         n = min(want, self.reservation_cap() - len(client.reserved))
+        if self.quotas is not None and n > 0:
+            room = self.quotas.room_pending(client)
+            if room < n:  # a shorter reservation: the engine counts its short stores
+                self.quotas.refused("pending", n - room)
+                n = room
         if n <= 0:
             return
         granted, evicted = self.index.reserve(client, n)

@@ -102,7 +102,9 @@ def _metric(d: DaemonHandle, name: str, **labels: str) -> float:
 
 @pytest.fixture
 def daemon(tmp_path) -> Iterator[DaemonHandle]:
-    with run_daemon(tmp_path, "--lease-ms", "60000", slot_bytes=1024) as d:
+    # Resets here are about pins, not consent: any registrant may drop the namespace.
+    with run_daemon(tmp_path, "--lease-ms", "60000", slot_bytes=1024,
+                    env={"KVOFFLOAD_RESET_NAMESPACE": "any"}) as d:
         yield d
 
 

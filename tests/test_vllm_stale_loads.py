@@ -34,7 +34,9 @@ PROMPT = list(range(300, 330))  # 30 tokens: 28 can load (chunk + tail), 2 are c
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonHandle]:
     # A small pool (24 slots): another engine's stores evict quickly.
-    with run_daemon(tmp_path, pool_bytes=24 * 4096, slot_bytes=4096) as d:
+    # Another engine drops the namespace between lookup and copy: the any-registrant rule.
+    with run_daemon(tmp_path, pool_bytes=24 * 4096, slot_bytes=4096,
+                    env={"KVOFFLOAD_RESET_NAMESPACE": "any"}) as d:
         yield d
 
 
