@@ -10,8 +10,8 @@ the snapshot of the same epoch. Compaction writes snapshot epoch E+1 and only th
 journal of epoch E+1, so a crash between the two leaves an old journal that is ignored (its
 records are in the new snapshot already).
 
-Hot path: the index listeners only append a tuple to a deque. A writer thread wakes every
-``flush_ms``, checksums the committed slots (zlib.crc32 releases the GIL), writes the batch with
+Hot path: the index listeners only append a tuple to a deque. A writer thread wakes on the
+first commit queued since its last batch (else every ``flush_ms``), checksums the committed slots (zlib.crc32 releases the GIL), writes the batch with
 one ``write`` and fsyncs at most every ``fsync_ms``. A crash loses at most the records not yet
 written; those blocks are not recovered, never served wrong. A commit is journaled only if its
 slot was not dropped while the checksum ran (a per-slot drop generation), so a checksum always
@@ -101,6 +101,10 @@ class Journal:
         assert idx is not None
         self._queue.append(("C", ns.id, key, slot, idx.end_token[slot], bool(idx.tail[slot]),
                             self._gen.get(slot, 0)))
+        # An acknowledged commit is lost by kill -9 until it is written: wake the writer now
+        # rather than at its next tick (once per batch: set only when it is not set yet).
+        if not self._wake.is_set():
+            self._wake.set()
 
     def _on_drop(self, ns: Namespace, key: bytes, slot: int) -> None:
         self._gen[slot] = self._gen.get(slot, 0) + 1  # before the slot can be handed out again
