@@ -96,6 +96,15 @@ class Promoter:
         then waits for; promoting every probed tail would evict pool blocks for nothing."""
         return KeyStatus.HIT_PENDING if self._holder(ns, key) is not None else KeyStatus.MISS
 
+    # Whether ``peek`` may need the loop for a key ``peek_local`` answers MISS (a question
+    # to a shared store); local tiers answer from memory alone.
+    asks_remote = False
+
+    def peek_local(self, ns: Namespace, key: bytes) -> KeyStatus:
+        """``peek`` from the tiers' in-memory maps only: reads, no tasks, so a worker thread
+        may call it while the loop runs (dict reads are atomic under the GIL)."""
+        return Promoter.peek(self, ns, key)
+
     def probe(self, ns: Namespace, key: bytes) -> KeyStatus:
         """Status of a key the pool does not hold; starts its promotion when a tier has it."""
         tier = self._holder(ns, key)

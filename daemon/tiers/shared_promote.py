@@ -40,6 +40,8 @@ class SharedPromoter(Promoter):
             return self.shared.ask(ns, key)  # known present but no room: a MISS, no re-ask
         return status
 
+    asks_remote = True  # a key no tier knows is asked of the store, on the loop
+
     def peek(self, ns: Namespace, key: bytes) -> KeyStatus:
         status = super().peek(ns, key)
         if status is KeyStatus.MISS and not self.shared.contains(ns, key):
