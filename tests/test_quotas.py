@@ -210,3 +210,42 @@ def test_identities_per_peer_are_capped_on_tcp(tmp_path: Path) -> None:
     finally:
         d.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+# -- the vLLM plugin under a quota -----------------------------------------------------------
+
+
+def test_plugin_stores_what_its_quota_allows_and_counts_the_rest(tmp_path: Path) -> None:
+    """A short reservation is a counted short store in the plugin: the keys it could not
+    store stay misses for everyone, the ones it stored load as hits."""
+    from plugin_common import connect, end_step, keys_at, plugin_config
+    from vllm_harness import build_scheduler_connector, make_request, vllm_import_error
+
+    if vllm_import_error() is not None:
+        pytest.skip(str(vllm_import_error()))
+    from vllm.v1.kv_offload.base import ReqContext
+
+    with run_daemon(tmp_path, env={"KVOFFLOAD_CLIENT_MAX_PENDING": "3"}) as d:
+        conn = build_scheduler_connector(plugin_config(d.control))
+        manager = conn.scheduler.manager
+        assert len(manager._reserved) == 3  # asked for its 64, granted its cap
+        assert refused(d, "quota_pending") == manager.settings.reserve - 3
+        req = make_request(list(range(900, 930)), "quota")
+        conn.on_new_request(req)
+        ctx = ReqContext(req_id="quota")
+        ks = keys_at(req.block_hashes, 0) + keys_at(req.block_hashes, 1)
+        for k in ks:
+            ctx.set_offload_key_position(k, 16)
+        out = manager.prepare_store(ks, ctx)
+        assert out.keys_to_store == ks[:3]  # the prefix that fits; the 4th is not offered
+        assert manager.counters["stores_short_reservation"] == 1
+        other = connect(d.control, manager.geometry)
+        end_step(conn)
+        manager.complete_store(ks[:3], ctx)
+        deadline = time.monotonic() + 30
+        while other.probe(ks) != [KeyStatus.HIT] * 3 + [KeyStatus.MISS]:
+            assert time.monotonic() < deadline, other.probe(ks)
+            time.sleep(0.01)
+        end_step(conn)
+        manager.shutdown()
+        other.close()
