@@ -138,7 +138,11 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         print(f"kvoffload bench: --seeds {args.seeds}: must be at least 1", file=sys.stderr)
         return 2
-    quiet_libraries(args.verbose)
+    with quiet_libraries(args.verbose):
+        return _run_bench(args)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
     names = args.suite or sorted(SUITES)
     fns = {name: _suite(name) for name in names}
     total = sum(args.seeds if fn is not None and takes_seed(fn) else 1 for fn in fns.values())

@@ -80,10 +80,15 @@ def _demo(control: str, requests: int, seed: int) -> dict[str, Any]:
 
 
 def run_demo_shared(requests: int = 100, seed: int = 0) -> dict[str, Any]:
-    from kvoffload.bench.mooncake_run import MooncakeMaster, mooncake_unavailable
     from kvoffload.bench.quiet import quiet_libraries
 
-    quiet_libraries(verbose=False)  # the store client's glog, in the daemons it starts
+    with quiet_libraries(verbose=False):  # the store client's glog, in the daemons it starts
+        return _run(requests, seed)
+
+
+def _run(requests: int, seed: int) -> dict[str, Any]:
+    from kvoffload.bench.mooncake_run import MooncakeMaster, mooncake_unavailable
+
     reason = mooncake_unavailable()
     if reason is not None:
         return {"meets": False, "not_run": reason}

@@ -5,19 +5,23 @@ vLLM 0.33 applies ``VLLM_LOGGING_LEVEL`` only when an engine configures logging,
 suites never do, so its warnings reach Python's last-resort handler: the level is set on its
 logger instead, here and in every process a suite starts (they inherit
 ``KVO_BENCH_QUIET`` and call ``quiet_loggers``). Mooncake's C++ side logs with glog,
-which reads ``GLOG_minloglevel`` when its library loads, and its own ``MC_LOG_LEVEL``.
+which reads ``GLOG_minloglevel`` when its library loads, and its own ``MC_LOG_LEVEL``; level 3
+(fatal only) because its store client logs the metadata 404s of every normal connect at ERROR.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 # Not KVOFFLOAD_*: the daemons the suites start read every KVOFFLOAD_* variable as a setting.
 QUIET_ENV = {"KVO_BENCH_QUIET": "1", "VLLM_LOGGING_LEVEL": "ERROR",
-             "GLOG_minloglevel": "2", "GLOG_logtostderr": "0", "MC_LOG_LEVEL": "ERROR"}
-# The plugin's own start-up notes (one per engine, dozens per suite) are quieted as well.
-QUIET_LOGGERS = ("vllm", "mooncake", "kvoffload.connector")
+             "GLOG_minloglevel": "3", "GLOG_logtostderr": "0", "MC_LOG_LEVEL": "ERROR"}
+# The plugin's start-up notes (one per engine, dozens per suite) and the notes of daemons a
+# suite embeds in its own process (a tier connecting, recovering) are quieted as well.
+QUIET_LOGGERS = ("vllm", "mooncake", "kvoffload.connector", "kvoffload.daemon")
 
 
 def quiet_loggers() -> None:
@@ -27,10 +31,26 @@ def quiet_loggers() -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def quiet_libraries(verbose: bool) -> None:
-    """Before any suite imports vLLM or Mooncake; a no-op with ``verbose``."""
+@contextlib.contextmanager
+def quiet_libraries(verbose: bool) -> Iterator[None]:
+    """Around the suites (before any imports vLLM or Mooncake); a no-op with ``verbose``. The
+    environment and logger levels are restored afterwards (a caller in a test session keeps
+    its own)."""
     if verbose:
+        yield
         return
+    saved_env = {key: os.environ.get(key) for key in QUIET_ENV}
+    saved_levels = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     quiet_loggers()
+    try:
+        yield
+    finally:
+        for key, old in saved_env.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+        for name, level in saved_levels.items():
+            logging.getLogger(name).setLevel(level)

@@ -108,25 +108,28 @@ def test_seeds_with_an_error_and_bad_counts(capsys: pytest.CaptureFixture[str]) 
 def test_libraries_are_quiet_unless_verbose(monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str],
                                             tmp_path: Path) -> None:
-    for key in ("KVO_BENCH_QUIET", "VLLM_LOGGING_LEVEL", "GLOG_minloglevel",
-                "MC_LOG_LEVEL"):
+    for key in ("KVO_BENCH_QUIET", "VLLM_LOGGING_LEVEL", "GLOG_minloglevel", "MC_LOG_LEVEL"):
         monkeypatch.delenv(key, raising=False)
     vllm_log = logging.getLogger("vllm")
     monkeypatch.setattr(vllm_log, "level", logging.NOTSET)
+    seen: list[tuple[str | None, str | None, int]] = []
 
     def events(quick: bool) -> dict[str, Any]:
+        env = dict(os.environ)
+        seen.append((env.get("KVO_BENCH_QUIET"), env.get("GLOG_minloglevel"),
+                     vllm_log.getEffectiveLevel()))
         vllm_log.warning("vLLM chatter")
         return {"ratio": 5.0, "target": 4.0, "meets": True}
 
     _run(monkeypatch, capsys, tmp_path, {"events": events}, "--verbose")
-    assert "KVO_BENCH_QUIET" not in os.environ
-    assert vllm_log.getEffectiveLevel() < logging.ERROR
+    assert seen[-1][:2] == (None, None) and seen[-1][2] < logging.ERROR
     monkeypatch.setattr(cli, "_suite", lambda name: events)
     assert main(["bench", "--suite", "events", "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "vLLM chatter" not in err and "running events" in err  # a phase line, no TTY
-    env = os.environ
-    assert env["KVO_BENCH_QUIET"] == "1" and env["GLOG_minloglevel"] == "2"
+    assert seen[-1] == ("1", "3", logging.ERROR)  # inherited by what the suite starts
+    # Afterwards the caller's environment and levels are back (a test session keeps its own).
+    assert "KVO_BENCH_QUIET" not in os.environ and vllm_log.level == logging.NOTSET
 
 
 def test_a_bar_on_a_tty() -> None:
