@@ -31,11 +31,14 @@ SCRATCH: list[np.ndarray] = []
 
 
 def evict_caches() -> None:
-    """Stream 64 MiB through the caches (untimed) so the next timed copy starts cold, as in
-    an engine: otherwise whichever side ran the same copy just before reads from L3."""
+    """Read and write 64 MiB through the caches (untimed) so the next timed copy starts cold,
+    as in an engine: otherwise whichever side ran the same copy just before reads from L3. In
+    1 MiB pieces: one large memcpy would use non-temporal stores, which bypass the caches."""
     if not SCRATCH:
-        SCRATCH.extend(np.ones(32 << 20, dtype=np.int8) for _ in range(2))
-    np.copyto(SCRATCH[1], SCRATCH[0])
+        SCRATCH.extend(np.ones(64 << 20, dtype=np.int8) for _ in range(2))
+    src, dst = SCRATCH
+    for start in range(0, len(src), 1 << 20):
+        np.copyto(dst[start : start + (1 << 20)], src[start : start + (1 << 20)])
 
 
 def timed(fn: Callable[[], None], device: torch.device) -> float:

@@ -101,6 +101,7 @@ class CpuLane:
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25  # Linux 6.1+: collapse already-faulted pages into huge pages, now
 _HUGE = 2 << 20
+_COLLAPSE_STEP = 32 << 20
 
 
 class KVHugePages:
@@ -153,10 +154,16 @@ class KVHugePages:
                 if libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
                     logger.debug("MADV_HUGEPAGE refused (errno %d)", ctypes.get_errno())
                     continue
-                if libc.madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
-                    self.collapsed_bytes += hi - lo
-                else:  # pages faulted later still come huge; khugepaged may do the rest
-                    logger.debug("MADV_COLLAPSE refused (errno %d)", ctypes.get_errno())
+                # By 32 MiB, then by 2 MiB where a piece fails: a range not faulted in yet is
+                # refused (EINVAL) but its pages will come huge when first touched.
+                for a in range(lo, hi, _COLLAPSE_STEP):
+                    b = min(a + _COLLAPSE_STEP, hi)
+                    if libc.madvise(a, b - a, _MADV_COLLAPSE) == 0:
+                        self.collapsed_bytes += b - a
+                        continue
+                    for c in range(a, b, _HUGE):
+                        if libc.madvise(c, _HUGE, _MADV_COLLAPSE) == 0:
+                            self.collapsed_bytes += _HUGE
         except (OSError, AttributeError) as exc:
             logger.debug("no huge pages for the KV tensors: %s", exc)
         finally:
