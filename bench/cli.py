@@ -13,6 +13,7 @@ import argparse
 import importlib
 import inspect
 import json
+import os
 import shlex
 import sys
 import time
@@ -47,13 +48,19 @@ class Progress:
         if self.tty:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, file=stream, unit="run", dynamic_ncols=True,
+            try:  # a terminal reporting 0 columns (some ptys) would get an empty bar
+                sized = os.get_terminal_size(stream.fileno()).columns > 0
+            except (OSError, ValueError, AttributeError):
+                sized = False
+            self.bar = tqdm(total=total, file=stream, unit="run", dynamic_ncols=sized,
+                            ncols=None if sized else 100, nrows=None if sized else 40,
                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}]{postfix}")
 
     def suite(self, name: str) -> Callable[[str], None]:
         started = time.perf_counter()
         if self.bar is not None:
-            self.bar.set_description(name)
+            self.bar.set_description(name, refresh=False)
+            self.bar.set_postfix_str("starting")  # not the last suite's phase
         else:
             print(f"running {name} ...", file=sys.stderr, flush=True)
 
