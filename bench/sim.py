@@ -1,5 +1,8 @@
-"""Our side of the hybrid-chat simulation: a simulated engine over the daemon, plus the shared
-bits (store policy, per-variant totals, an embedded daemon) the suites use.
+"""A simulated engine over the daemon, plus the shared bits (store policy, per-variant totals,
+an embedded daemon) the suites use. NOT our plugin in vLLM: hybrid_chat's headline runs the
+plugin inside vLLM's scheduler (bench/hybrid_chat.py); this engine is its ``sim_what_if``
+(bench/chat_sim.py), since it stores what vLLM 0.33 lets no connector store (decode tokens,
+turn-end tails).
 
 The engine does what bench/demo.py's does, minus the bytes (slots are granted and committed,
 nothing is copied: this measures cache decisions, the demo and the copy suite verify bytes):
