@@ -24,3 +24,17 @@ def test_sixteen_clients_no_errors_no_starvation_flat_memory() -> None:
     assert out["rss_growth"] < RSS_GROWTH_TARGET, out
 
 
+
+
+def test_load_verdict_names_what_missed() -> None:
+    from kvoffload.bench.load import load_verdict
+
+    ok = {"errors": 0, "daemon_protocol_errors": 0.0, "ops_min_client": 12, "rss_growth": 0.02,
+          "daemon_alive": True}
+    assert load_verdict(ok) == (True, "all sub-targets met")
+    meets, reason = load_verdict({**ok, "errors": 3, "rss_growth": 0.125})
+    assert not meets
+    assert reason == ("3 client errors (target 0); daemon RSS grew 12.5 % after warm-up "
+                      "(target < 10 %)")
+    assert load_verdict({**ok, "ops_min_client": 0, "daemon_alive": False})[1] == (
+        "a client made no progress (slowest client: 0 ops); the daemon exited during the run")
