@@ -16,8 +16,9 @@ from typing import Any
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.index import Namespace
 from kvoffload.events.hub import StoredRecord
+from kvoffload.events.lookup_publisher import LookupEventPublisher
 from kvoffload.events.profiles import ViewSpec, format_topic, make_profile, parse_view_spec
-from kvoffload.events.publisher import EventPublisher, LookupEventPublisher
+from kvoffload.events.publisher import EventPublisher
 from kvoffload.events.schema import LookupEvent
 
 __all__ = ["EngineView", "EngineViews", "LookupEvents", "event_options"]

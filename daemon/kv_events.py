@@ -35,6 +35,7 @@ import dataclasses
 import logging
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -49,12 +50,12 @@ from kvoffload.daemon.kv_event_views import (  # event_options: server.py's entr
 )
 from kvoffload.daemon.types import key_group, key_hash
 from kvoffload.events.hub import HubPublisher, StoredRecord
+from kvoffload.events.lookup_publisher import LookupEventPublisher
 from kvoffload.events.profiles import Profile, make_profile, parse_view_spec
 from kvoffload.events.publisher import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_BUFFER_EVENTS,
     EventPublisher,
-    LookupEventPublisher,
 )
 from kvoffload.events.schema import (
     AllBlocksCleared,
@@ -87,7 +88,8 @@ class DaemonEvents(EngineViews, LookupEvents):
                  profile: Profile | None = None, topic: str = "", batch_events: int = 256,
                  buffer_events: int = DEFAULT_BUFFER_EVENTS,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-                 engine_views: list[str] | None = None) -> None:
+                 engine_views: list[str] | None = None,
+                 secure: Callable[[Any], None] | None = None) -> None:
         self.int_hashes = int_hashes
         self.profile = profile or make_profile()
         self.registry = registry
@@ -95,10 +97,12 @@ class DaemonEvents(EngineViews, LookupEvents):
         self._pub_options: dict[str, Any] = {
             "hwm": hwm, "registry": registry, "topic": topic, "buffer_events": buffer_events,
             "buffer_bytes": buffer_bytes, "max_batch_events": batch_events,
-            "encode": encode_batch_positional if self.profile.positional else encode_batch}
+            "encode": encode_batch_positional if self.profile.positional else encode_batch,
+            "secure": secure}  # CURVE on every event socket (daemon/event_curve.py), or None
         self.kv = (EventPublisher(events, events_replay, buffer_batches=buffer_batches or None,
                                   **self._pub_options) if events else None)
-        self.lookups = (LookupEventPublisher(lookup_events, hwm=hwm, registry=registry)
+        self.lookups = (LookupEventPublisher(lookup_events, hwm=hwm, registry=registry,
+                                             secure=secure)
                         if lookup_events else None)
         self.hub = (HubPublisher(hub, hub_replay, buffer_batches=hub_buffer_batches or None,
                                  snapshot=self._snapshot, **self._pub_options)

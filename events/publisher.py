@@ -3,29 +3,26 @@
 Why it is cheaper per batch than vLLM's (thread + `queue.Queue` + one blocking `get` per batch):
 
 * `publish()` is an `append` on a bounded `collections.deque` plus, only when the sender is
-  idle, one `loop.call_soon` wakeup. No lock, no condition variable, no thread hand-off.
+  idle, one `loop.call_soon` wakeup. No lock, no condition variable, no thread hand-off. A
+  ready `EventBatch` takes a short path (one bound check that also covers "closed").
 * The sender is a plain loop callback that drains up to `max_drain` batches per turn: one
   reused msgspec encoder, a pre-compiled `struct` for the seq frame, and three non-blocking
   `send` calls on a plain (not zmq.asyncio) PUB socket. PUB never blocks, so nothing waits.
-* Prometheus counters are bumped once per drained chunk, not per batch.
+* Replay-buffer accounting and Prometheus counters are updated once per drained chunk; the
+  buffer itself is two deques of untracked objects (events/replay.py), so it adds nothing
+  for the garbage collector to scan.
 * With `max_batch_events > 1`, bare events published in one loop turn share one batch (up to
   that many): under load a message carries many events, at no added latency (the batch is
   sealed when the sender runs, at the end of the producer's loop turn, never on a timer).
 
-The replay buffer is bounded in **events and bytes**, not batches: a late router needs the
-events, and one event per batch would otherwise shrink what a buffer of N batches covers.
-
-Replay (vLLM's protocol, see shared/spec/kv-events.md) runs as a separate task on a ROUTER
-socket; a large replay yields to the loop every `_REPLAY_CHUNK` messages.
+Replay (vLLM's protocol, events/replay.py) runs as a separate task on a ROUTER socket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import struct
 import threading
 import time
 from collections import deque
@@ -39,16 +36,14 @@ import zmq.backend
 from prometheus_client import CollectorRegistry
 
 from .metrics import event_metrics
-from .schema import EventBatch, KVCacheEvent, KVEvent, LookupEvent, LookupEventBatch
+from .replay import END_SEQ, SEQ, ReplayBuffer, open_replay_router, request_seq, send_replay
+from .schema import EventBatch, KVCacheEvent, KVEvent, encode_batch
 
 __all__ = ["DEFAULT_BUFFER_BYTES", "DEFAULT_BUFFER_EVENTS", "END_SEQ", "EventPublisher",
-           "LookupEventPublisher", "is_bind_endpoint"]
+           "SEQ", "is_bind_endpoint"]
 
 log = logging.getLogger(__name__)
 
-SEQ: Final = struct.Struct(">Q")
-END_SEQ: Final = b"\xff" * 8  # replay end marker; never a real seq
-_REPLAY_CHUNK: Final = 256
 _SNDMORE_NB: Final = zmq.SNDMORE | zmq.NOBLOCK
 # Replay buffer bounds. 128 Ki events cover a router that joins after a long warm-up (a 20k-
 # event demo run fits six times); 256 MiB bounds memory when events are large (a 784-token
@@ -93,30 +88,34 @@ class EventPublisher:
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         max_batch_events: int = 1,
         encode: Callable[[Any], bytes] | None = None,
+        secure: Callable[[Any], None] | None = None,
     ) -> None:
         self._ctx: zmq.Context[Any] = context if context is not None else zmq.Context.instance()
         self._topic = topic.encode("utf-8")
         self._queue: deque[Any] = deque()
         self._queue_size = queue_size
-        # (seq, payload, events in it); bounded by the three limits below. The seq frame is
-        # packed again on replay: one object less kept per batch.
-        self._buffer: deque[tuple[int, bytes, int]] = deque()
-        self._buffer_batches = buffer_batches
-        self._buffer_events = max(1, buffer_events)
-        self._buffer_bytes = max(1, buffer_bytes)
-        self._buffered_events = 0
-        self._buffered_bytes = 0
+        # publish()'s one bound check: the queue size while open, -1 once closed.
+        self._limit = queue_size
+        self._replay_buf = ReplayBuffer(buffer_events, buffer_bytes, buffer_batches)
+        self._buffer = self._replay_buf.payloads  # sent payloads, oldest first
         self._max_batch_events = max(1, max_batch_events)
         self._coalesce = self._max_batch_events > 1
         self._open: list[Any] = []  # bare events not yet sealed into a batch
         self._encoder = msgspec.msgpack.Encoder()
         self._encode: Callable[[Any], bytes] = encode or self._encoder.encode
+        # The default encoding writes into one reused bytearray and copies out the exact size:
+        # `encode` grows a fresh buffer by reallocation on every call, which cost more than the
+        # copy (a third of the sender's time was encoding).
+        self._scratch: bytearray | None = (
+            bytearray(4096) if encode is None or encode is encode_batch else None)
         self._dp_rank = data_parallel_rank
         self._max_drain = max_drain
         self._linger_ms = linger_ms
         self._live_filter = live_filter
         self._seq = 0
-        self._scheduled = False
+        # True while a drain is pending, and until start(): before there is a loop, publish()
+        # only queues.
+        self._scheduled = True
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -140,8 +139,6 @@ class EventPublisher:
         self._send: Callable[[bytes, int], Any] = (
             raw_send.__get__(self._pub) if raw_send is not None else self._pub.send
         )
-        # The replay ROUTER is owned by a zmq.asyncio socket (to await requests); sends go
-        # through a non-owning plain shadow of it, which needs no future per message.
         self._arouter: zmq.asyncio.Socket | None = None
         self._router: zmq.Socket[Any] | None = None
         self._endpoint = endpoint
@@ -152,6 +149,8 @@ class EventPublisher:
             # picks a port), so routers connect to it. "connect:EP" is for the rare broker
             # that binds itself. (vLLM's rule, is_bind_endpoint, connected to a concrete
             # tcp address, and then no router that connects to us got anything.)
+            if secure is not None:  # CURVE server options: before the socket is reachable
+                secure(self._pub)
             if endpoint.startswith("connect:"):
                 self._endpoint = endpoint[len("connect:"):]
                 self._pub.connect(self._endpoint)
@@ -159,15 +158,8 @@ class EventPublisher:
                 self._pub.bind(endpoint)
                 self._endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             if replay_endpoint is not None:
-                actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
-                self._arouter = actx.socket(zmq.ROUTER)
-                self._router = zmq.Socket.shadow(self._arouter.underlying)
-                # No HWM: a whole replay plus its end marker must fit even when the client
-                # reads slowly; the buffer's own event and byte bounds limit what is queued.
-                self._router.setsockopt(zmq.SNDHWM, 0)
-                self._router.setsockopt(zmq.LINGER, 0)
-                self._router.bind(replay_endpoint)
-                self._replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+                self._arouter, self._router, self._replay_endpoint = open_replay_router(
+                    self._ctx, replay_endpoint, secure)
         except zmq.ZMQError:
             # e.g. address in use: do not leave a bound PUB behind
             self._pub.close(linger=0)
@@ -198,7 +190,8 @@ class EventPublisher:
     @property
     def buffered(self) -> tuple[int, int, int]:
         """(batches, events, bytes) held for replay."""
-        return len(self._buffer), self._buffered_events, self._buffered_bytes
+        buf = self._replay_buf
+        return len(buf), buf.events, buf.nbytes
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -209,7 +202,8 @@ class EventPublisher:
         self._loop_thread = threading.get_ident()
         if self._router is not None:
             self._replay_task = self._loop.create_task(self._serve_replay())
-        if self._queue:
+        self._scheduled = False
+        if self._queue or self._open:
             self._schedule()
 
     async def aclose(self, flush: bool = True) -> None:
@@ -217,6 +211,7 @@ class EventPublisher:
         if self._closed:
             return
         self._closed = True
+        self._limit = -1
         self._seal()
         if flush:
             while self._queue:
@@ -258,13 +253,16 @@ class EventPublisher:
         (`max_batch_events=1`); a coalescing publisher takes bare events from its loop's
         thread only (the daemon's case), since sealing swaps the open list.
         """
-        if self._closed:
-            self._drop("closed")
+        q = self._queue
+        if len(q) >= self._limit:
+            self._drop("closed" if self._closed else "queue_full")
             return False
-        if len(self._queue) >= self._queue_size:
-            self._drop("queue_full")
-            return False
-        if self._coalesce and isinstance(item, KVCacheEvent):
+        if type(item) is EventBatch and not self._open:
+            # The common case (a ready batch, nothing coalescing): no wrapping, no sealing.
+            if item.data_parallel_rank is None and self._dp_rank is not None:
+                item.data_parallel_rank = self._dp_rank
+            q.append(item)
+        elif self._coalesce and isinstance(item, KVCacheEvent):
             # Coalesce: sealed into one batch when the sender runs (or when full).
             self._open.append(item)
             if len(self._open) >= self._max_batch_events:
@@ -277,8 +275,8 @@ class EventPublisher:
                 return False
             if self._open:
                 self._seal()  # keep order: events published before this batch go first
-            self._queue.append(batch)
-        if not self._scheduled and self._loop is not None:
+            q.append(batch)
+        if not self._scheduled:
             self._schedule()
         return True
 
@@ -330,25 +328,31 @@ class EventPublisher:
         encode = self._encode
         send = self._send
         keep = self._buffer.append
+        keep_count = self._replay_buf.counts.append
         pack = SEQ.pack
         topic = self._topic
         live_filter = self._live_filter
+        scratch = self._scratch
+        encode_into = self._encoder.encode_into
         seq = self._seq
         unsent = unsent_events = kept_events = kept_bytes = 0
         start = seq
         for _ in range(n):
             batch = popleft()
             try:
-                payload = encode(batch)
+                if scratch is not None:
+                    encode_into(batch, scratch)
+                    payload = bytes(scratch)
+                else:
+                    payload = encode(batch)
             except Exception:
                 self._drop("encode_error")  # no seq consumed: consumers see no hole
                 continue
-            seq_bytes = pack(seq)
             count = len(batch.events)
             if live_filter is None or live_filter(seq):
                 try:
                     send(topic, _SNDMORE_NB)
-                    send(seq_bytes, _SNDMORE_NB)
+                    send(pack(seq), _SNDMORE_NB)
                     send(payload, zmq.NOBLOCK)
                 except zmq.ZMQError:
                     self._drop("send_error")  # still buffered below: replay can deliver it
@@ -357,34 +361,17 @@ class EventPublisher:
             else:
                 unsent += 1
                 unsent_events += count
-            keep((seq, payload, count))
+            keep(payload)
+            keep_count(count)
             kept_events += count
             kept_bytes += len(payload)
             seq += 1
         self._seq = seq
-        self._buffered_events += kept_events
-        self._buffered_bytes += kept_bytes
-        if self._buffered_events > self._buffer_events or \
-                self._buffered_bytes > self._buffer_bytes or self._buffer_batches is not None:
-            self._trim()
+        self._replay_buf.added(kept_events, kept_bytes)
         if seq - start - unsent:
             self._m_batches.inc(seq - start - unsent)
         if kept_events - unsent_events:
             self._m_events.inc(kept_events - unsent_events)
-
-    def _trim(self) -> None:
-        """Drop the oldest batches beyond the buffer's event, byte and batch bounds.
-
-        The newest batch always stays (unless a batch bound of 0 says keep nothing), so one
-        oversized batch is still replayable."""
-        buf = self._buffer
-        cap = len(buf) if self._buffer_batches is None else self._buffer_batches
-        while buf and (len(buf) > cap or (len(buf) > 1 and (
-                self._buffered_events > self._buffer_events
-                or self._buffered_bytes > self._buffer_bytes))):
-            _, payload, count = buf.popleft()
-            self._buffered_events -= count
-            self._buffered_bytes -= len(payload)
 
     # -- replay ------------------------------------------------------------------------------
 
@@ -394,12 +381,13 @@ class EventPublisher:
         while not self._closed:
             try:
                 frames = await arouter.recv_multipart()
-                if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                start = request_seq(frames)
+                if start is None:
                     if "replay_request" not in self._logged:
                         self._logged.add("replay_request")
                         log.warning("ignoring malformed replay request (%d frames)", len(frames))
                     continue
-                await self._replay(frames[0], SEQ.unpack(frames[2])[0])
+                await self._replay(frames[0], start)
             except zmq.ZMQError as exc:  # a broken request must not end replay service
                 if self._closed:
                     return
@@ -408,37 +396,7 @@ class EventPublisher:
 
     async def _replay(self, client: bytes, start: int) -> None:
         self._m_replay_requests.inc()
-        buf = self._buffer
-        # Seqs in the buffer are contiguous, so the first wanted entry is found by arithmetic.
-        offset = max(0, start - buf[0][0]) if buf else 0
-        snapshot = list(itertools.islice(buf, offset, None))
-        router = self._router
-        assert router is not None
-        topic = self._topic
-        pack = SEQ.pack
-        for i, (seq, payload, _n) in enumerate(snapshot, 1):
-            seq_bytes = pack(seq)
-            # ROUTER without ROUTER_MANDATORY drops (never blocks) for a vanished client.
-            router.send_multipart((client, b"", topic, seq_bytes, payload), zmq.NOBLOCK)
-            if i % _REPLAY_CHUNK == 0:
-                await asyncio.sleep(0)
-        router.send_multipart((client, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
-        self._m_replayed.inc(len(snapshot))
-
-
-class LookupEventPublisher(EventPublisher):
-    """Publisher of our lookup events: same framing, own endpoint (never the router stream)."""
-
-    def __init__(self, endpoint: str, *args: Any, stream: str = "lookup", **kwargs: Any) -> None:
-        super().__init__(endpoint, *args, stream=stream, **kwargs)
-
-    def _wrap(self, item: Any) -> Any:
-        if isinstance(item, LookupEventBatch):
-            return item
-        events = [item] if isinstance(item, LookupEvent) else list(item)
-        return LookupEventBatch(ts=time.time(), events=events)
-
-    def publish(  # type: ignore[override]
-        self, item: LookupEventBatch | LookupEvent | Iterable[LookupEvent]
-    ) -> bool:
-        return super().publish(item)  # type: ignore[arg-type]
+        entries = self._replay_buf.since(start, self._seq)
+        assert self._router is not None
+        await send_replay(self._router, client, self._topic, entries)
+        self._m_replayed.inc(len(entries))

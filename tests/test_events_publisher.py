@@ -10,12 +10,8 @@ from typing import Any
 
 import pytest
 import zmq
-from kvoffload.events.publisher import (
-    END_SEQ,
-    EventPublisher,
-    LookupEventPublisher,
-    is_bind_endpoint,
-)
+from kvoffload.events.lookup_publisher import LookupEventPublisher
+from kvoffload.events.publisher import END_SEQ, EventPublisher, is_bind_endpoint
 from kvoffload.events.schema import (
     AllBlocksCleared,
     EventBatch,

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import zmq
-from kvoffload.events.publisher import EventPublisher, LookupEventPublisher
+from kvoffload.events.lookup_publisher import LookupEventPublisher
+from kvoffload.events.publisher import EventPublisher
 from kvoffload.events.schema import EventBatch, LookupEvent, LookupEventBatch, encode_batch
 from kvoffload.events.subscriber import (
     EventSubscriber,

@@ -16,7 +16,8 @@ from typing import Any
 import zmq
 from kvoffload.connector.client import DaemonClient
 from kvoffload.events.hub import SNAPSHOT_SEQ, request_snapshot
-from kvoffload.events.publisher import END_SEQ, SEQ, LookupEventPublisher
+from kvoffload.events.lookup_publisher import LookupEventPublisher
+from kvoffload.events.publisher import END_SEQ, SEQ
 from kvoffload.events.schema import (
     AllBlocksCleared,
     BlockRemoved,
