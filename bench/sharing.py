@@ -12,7 +12,9 @@ turn usually lands on another engine than its last one.
 
 ``offload_hit_tokens`` sums the tokens ``get_num_new_matched_tokens`` answered (what the
 offload tier served, GPU prefix-cache hits excluded). ``ratio`` = ours / vllm offload hits with 2
-engines (target >= 1.8), ``ratio_4`` with 4 (target >= 3).
+engines (target >= 1.8), ``ratio_4`` with 4 (target >= 3). ``seed`` shifts the conversations
+(``kvoffload bench --seeds N``). ``tp2``: the same routing over 2 engines whose 2 TP ranks each
+run in their own process (``bench/sharing_tp.py``), every load checked on every rank.
 Run alone: ``python -m kvoffload.bench.sharing [--full]``.
 """
 
