@@ -126,6 +126,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     operator_token_file: str | None = None  # a 0600 file holding the operator credential
     curve_server_key: str | None = None  # daemon secret key file: CURVE on the control socket
     curve_client_keys: str | None = None  # allow-list: dir of NAME.key files, or one file
+    # CURVE on the event sockets too (PUB and replay ROUTER of --events, --lookup-events,
+    # --hub, engine views): same server key and allow-list; needs curve_server_key.
+    events_curve: bool = False
 
     def __post_init__(self) -> None:
         if not self.control:
@@ -164,6 +167,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
              "must be at least 1MiB"),
             ("curve_client_keys", bool(self.curve_client_keys) == bool(self.curve_server_key),
              "and curve_server_key must be set together"),
+            ("events_curve", not self.events_curve or bool(self.curve_server_key),
+             "needs curve_server_key and curve_client_keys"),
             ("http", ":" in self.http, "must be HOST:PORT"),
             ("event_hashes", self.event_hashes in ("int", "bytes"), "must be int or bytes"),
             ("events_profile", self.events_profile in ("full", "dynamo", "llm-d"),
@@ -206,7 +211,7 @@ def _coerce(key: str, raw: Any, source: str) -> Any:
             if key in ("engine_events", "engine_views"):
                 # ";" or whitespace separates engines: "," already pairs EP,REPLAY_EP.
                 return [e for e in re.split(r"[;\s]+", raw) if e]
-            if key in ("prefault", "events_tails"):
+            if key in ("prefault", "events_tails", "events_curve"):
                 return raw.lower() in ("1", "true", "yes", "on")
             if _FIELDS[key].type in (int, "int"):
                 return int(raw)

@@ -98,7 +98,7 @@ class DaemonEvents(EngineViews, LookupEvents):
             "hwm": hwm, "registry": registry, "topic": topic, "buffer_events": buffer_events,
             "buffer_bytes": buffer_bytes, "max_batch_events": batch_events,
             "encode": encode_batch_positional if self.profile.positional else encode_batch,
-            "secure": secure}  # CURVE on every event socket (daemon/event_curve.py), or None
+            "secure": secure}  # CURVE on every event socket (security.curve_server_options)
         self.kv = (EventPublisher(events, events_replay, buffer_batches=buffer_batches or None,
                                   **self._pub_options) if events else None)
         self.lookups = (LookupEventPublisher(lookup_events, hwm=hwm, registry=registry,

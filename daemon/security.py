@@ -44,6 +44,16 @@ log = logging.getLogger("kvoffload.daemon")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: libzmq asks ZAP here
 ZAP_DOMAIN = b"kvoffload"
+EVENTS_ZAP_DOMAIN = b"kvoffload-events"  # the event sockets (events_curve): same allow-list
+
+
+def curve_server_options(sock: Any, server: KeyPair, domain: bytes = ZAP_DOMAIN) -> None:
+    """Make ``sock`` a CURVE server that fails closed; call before it binds."""
+    sock.curve_server = True
+    sock.curve_secretkey = server.secret
+    sock.curve_publickey = server.public
+    sock.zap_domain = domain
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler -> nobody is admitted
 # Client-side environment variables (not daemon settings: config.load_config must skip them).
 ENV_CLIENT_KEY = "KVOFFLOAD_CURVE_CLIENT_KEY"
 ENV_SERVER_PUBLIC_KEY = "KVOFFLOAD_CURVE_SERVER_PUBLIC_KEY"
@@ -216,6 +226,7 @@ class CurveGuard:
         self._zap: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._extra_zaps: list[zmq.asyncio.Socket] = []  # handlers in other contexts
 
     @classmethod
     def from_files(cls, server_key: str | None, client_keys: str | None,
@@ -232,11 +243,7 @@ class CurveGuard:
 
     def configure(self, sock: zmq.asyncio.Socket) -> None:
         """Call before ``sock.bind``, from inside the running event loop."""
-        sock.curve_server = True
-        sock.curve_secretkey = self.server.secret
-        sock.curve_publickey = self.server.public
-        sock.zap_domain = ZAP_DOMAIN
-        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler -> nobody is admitted
+        curve_server_options(sock, self.server)
         zap = self.ctx.socket(zmq.ROUTER)
         zap.setsockopt(zmq.LINGER, 0)
         zap.bind(ZAP_ENDPOINT)
@@ -248,6 +255,16 @@ class CurveGuard:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._serve_zap()), loop.create_task(self._watch())]
 
+    def serve_context(self, ctx: zmq.Context[Any]) -> None:
+        """Admit allow-listed keys on another context's CURVE sockets too (the event
+        sockets, ``curve_server_options`` with EVENTS_ZAP_DOMAIN): a ZAP handler there with
+        this allow-list and these counters. Until it runs, those sockets admit nobody."""
+        zap = zmq.asyncio.Context.shadow(ctx.underlying).socket(zmq.ROUTER)
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.bind(ZAP_ENDPOINT)
+        self._extra_zaps.append(zap)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._serve_zap(zap)))
+
     def decide(self, mechanism: bytes, credentials: list[bytes]) -> tuple[bytes, bytes]:
         """ZAP status code and text for one handshake."""
         if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
@@ -256,10 +273,11 @@ class CurveGuard:
             return b"200", b"OK"
         return b"400", b"client key not allowed"
 
-    async def _serve_zap(self) -> None:
-        assert self._zap is not None
+    async def _serve_zap(self, zap: zmq.asyncio.Socket | None = None) -> None:
+        zap = zap or self._zap
+        assert zap is not None
         while True:
-            frames = await self._zap.recv_multipart()
+            frames = await zap.recv_multipart()
             # [peer, b"", version, request_id, domain, address, identity, mechanism, *creds]
             if len(frames) < 8 or frames[1] != b"" or frames[2] != b"1.0":
                 log.warning("malformed ZAP request dropped")
@@ -274,8 +292,7 @@ class CurveGuard:
                 user = b""
                 log.warning("control connection from %s refused: %s", address.decode(
                     errors="replace"), text.decode())
-            await self._zap.send_multipart([peer, b"", b"1.0", request_id, code, text, user,
-                                            b""])
+            await zap.send_multipart([peer, b"", b"1.0", request_id, code, text, user, b""])
 
     async def _watch(self) -> None:
         assert self._monitor is not None
@@ -291,10 +308,11 @@ class CurveGuard:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        for s in (self._zap, self._monitor):
+        for s in (self._zap, self._monitor, *self._extra_zaps):
             if s is not None:
                 s.close(linger=0)
         self._zap = self._monitor = None
+        self._extra_zaps = []
 
 
 def insecure_endpoint_warning(endpoint: str, curve_on: bool) -> str | None:

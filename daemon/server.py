@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -39,7 +40,13 @@ from kvoffload.daemon.loop_health import (
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.notify import Notifier
 from kvoffload.daemon.pool import Pool
-from kvoffload.daemon.security import CurveGuard, insecure_endpoint_warning
+from kvoffload.daemon.security import (
+    EVENTS_ZAP_DOMAIN,
+    CurveGuard,
+    curve_server_options,
+    insecure_endpoint_warning,
+    load_keypair,
+)
 from kvoffload.daemon.service import Service
 from kvoffload.daemon.shared_index import index_path_for, supersede
 from kvoffload.daemon.startup import (
@@ -105,6 +112,14 @@ class Server:
                      "lookup_events": config.lookup_events, "hub": config.hub,
                      "hub_replay": config.hub_replay}
         check_ipc_folders(event_eps)  # one line naming the setting, not ZMQ's error
+        secure = None
+        if config.events_curve:  # CURVE servers before they bind; ZAP admits from start()
+            try:
+                keys = load_keypair(str(config.curve_server_key))
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
+            secure = functools.partial(curve_server_options, server=keys,
+                                       domain=EVENTS_ZAP_DOMAIN)
         try:  # the event sockets bind here: an address in use is a start fault
             self.events = DaemonEvents(events=config.events, events_replay=config.events_replay,
                                        lookup_events=config.lookup_events,
@@ -114,7 +129,7 @@ class Server:
                                        engine_max_tokens=config.engine_events_max_tokens,
                                        hub=config.hub, hub_replay=config.hub_replay,
                                        hub_buffer_batches=config.hub_buffer_batches,
-                                       **event_options(config))
+                                       secure=secure, **event_options(config))
         except ValueError as exc:  # a profile, topic or engine view that cannot work
             raise StartupError(str(exc)) from None
         except zmq.ZMQError as exc:
@@ -266,6 +281,9 @@ class Server:
             except OSError as exc:
                 raise StartupError(f"disk tier {self.config.disk_dir}: {exc}") from None
         self._bind()
+        if self.config.events_curve and self.curve is not None:
+            # The publishers' sockets live in the process-wide context: admit there too.
+            self.curve.serve_context(zmq.Context.instance())
         await self.events.start()
         self.service.http_url = self.http.url
         loop = asyncio.get_running_loop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import stat
@@ -17,9 +18,12 @@ import pytest
 import zmq
 from kvoffload.bench.load import metric_sum, scrape_metrics
 from kvoffload.connector.client import DaemonClient, DaemonUnavailable
+from kvoffload.daemon import protocol as p
 from kvoffload.daemon import security as sec
 from kvoffload.daemon.config import Config
 from kvoffload.daemon.keys_cli import add_keys_parser, generate
+from kvoffload.daemon.types import Geometry, GroupKind, GroupSpec, make_key
+from kvoffload.events.publisher import SEQ
 
 from tests.daemon_helpers import run_daemon
 from tests.test_daemon_server import EXAMPLE, query
@@ -234,3 +238,79 @@ def test_allow_list_reload_fails_closed(tmp_path: Path, caplog: pytest.LogCaptur
     assert single.allowed(engine)
     one.unlink()
     assert not single.allowed(engine)
+
+
+# ------------------------------------------------------------------------- event sockets
+
+
+EVENT_GEOM = Geometry(namespace="curve-events", tokens_per_hash=16, groups=(
+    GroupSpec(kind=GroupKind.FULL_ATTENTION, tokens_per_block=16, bytes_per_block=256),))
+
+
+def _sub(ctx: zmq.Context, endpoint: str, curve: sec.CurveClientKeys | None) -> zmq.Socket:
+    s = ctx.socket(zmq.SUB)
+    s.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(s)
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    s.connect(endpoint)
+    return s
+
+
+def test_event_sockets_speak_curve_with_the_control_allow_list(tmp_path: Path) -> None:
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    for name in ("server", "engine", "stranger"):
+        generate(keys, name)
+    allow.mkdir()
+    shutil.copy(keys / "engine.key", allow / "engine.key")
+    engine = sec.CurveClientKeys.from_files(keys / "engine.key_secret", keys / "server.key")
+    stranger = sec.CurveClientKeys.from_files(keys / "stranger.key_secret", keys / "server.key")
+    with run_daemon(tmp_path, "--control", "tcp://127.0.0.1:0", "--curve-server-key",
+                    str(keys / "server.key_secret"), "--curve-client-keys", str(allow),
+                    "--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0",
+                    env={"KVOFFLOAD_EVENTS_CURVE": "1"}) as d:
+        ctx = zmq.Context()
+        allowed = _sub(ctx, d.ready["events"], engine)
+        plain = _sub(ctx, d.ready["events"], None)
+        other = _sub(ctx, d.ready["events"], stranger)
+        writer = DaemonClient(d.ready["control"], timeout_ms=5000, curve=engine)
+        writer.register(EVENT_GEOM)
+        try:
+            # Store new blocks until the allowed subscriber hears one (it joins late).
+            got = 0
+            deadline = time.monotonic() + 20
+            i = 0
+            while got < 2 and time.monotonic() < deadline:
+                key = make_key(hashlib.sha256(b"ev%d" % i).digest(), 0)
+                i += 1
+                writer.prepare_store([p.StoreItem(key=key, end_token=16,
+                                                  token_ids=list(range(i, i + 16)))])
+                writer.commit_store([key])
+                while allowed.poll(50):
+                    allowed.recv_multipart()
+                    got += 1
+            assert got >= 2, "the allow-listed subscriber got no events"
+            # The same stream never reached a plain or a stranger's subscriber.
+            assert plain.poll(200) == 0 and other.poll(0) == 0
+            assert _wait_metric(d.http_url, "kvoffload_auth_rejected_total", 1,
+                                reason="unknown_key") >= 1
+            # Replay: answered for the allowed key, nothing for a plain client.
+            for curve, answered in ((engine, True), (None, False)):
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                if curve is not None:
+                    curve.apply(dealer)
+                dealer.connect(d.ready["events_replay"])
+                dealer.send_multipart([b"", SEQ.pack(0)])
+                assert bool(dealer.poll(3000 if answered else 1000)) is answered
+                dealer.close(linger=0)
+        finally:
+            writer.close()
+            for s in (allowed, plain, other):
+                s.close(linger=0)
+            ctx.term()
+
+
+def test_events_curve_without_keys_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match="events_curve"):
+        Config(events_curve=True)
