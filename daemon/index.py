@@ -18,53 +18,24 @@ its key while engines read the index is retired, not freed (``reclaim.py``).
 from __future__ import annotations
 
 import asyncio
-import enum
-from array import array
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 from kvoffload.daemon import shared_index as si
-from kvoffload.daemon.cost import TailCost
+from kvoffload.daemon.index_slots import SlotTable
+from kvoffload.daemon.index_types import (  # noqa: F401 - re-exported: callers use index.X
+    _SHARED_STATE,
+    Listener,
+    Namespace,
+    Prepared,
+    SlotState,
+)
 from kvoffload.daemon.policies import EvictionPolicy, make_policy
 from kvoffload.daemon.pool import Pool
 from kvoffload.daemon.reclaim import Reclaimer
 from kvoffload.daemon.types import Geometry, KeyStatus
 
 
-class SlotState(enum.IntEnum):
-    FREE = 0
-    PENDING = 1
-    READY = 2
-    RESERVED = 3  # handed to one engine's store reservation, no key yet
-    RETIRED = 4  # lost its key; reused once no reader can still act on it (reclaim.py)
-
-
-# What readers of the shared index see for each state (no key: nothing to act on).
-_SHARED_STATE = {SlotState.PENDING: si.PENDING, SlotState.READY: si.READY}
-
-
-@dataclass(slots=True)
-class Namespace:
-    """One engine geometry; every engine and rank registering the same one shares it."""
-
-    id: int
-    geometry: Geometry
-    keys: dict[bytes, int]
-    cost: TailCost | None = None  # set when an engine registers its time model
-
-
-@dataclass(slots=True, frozen=True)
-class Prepared:
-    slot: int | None  # None: not granted (exists, or no room)
-    exists: bool
-    evicted: list[tuple[Namespace, bytes, int]]  # (namespace, key, end_token) of evictions
-
-
-# Called with (namespace, key, slot) when a key becomes readable or is dropped.
-Listener = Callable[[Namespace, bytes, int], None]
-
-
-class BlockIndex:
+class BlockIndex(SlotTable):
     def __init__(self, pool: Pool, policy: str = "lru") -> None:
         self.pool = pool
         self.policy_name = policy
@@ -84,21 +55,6 @@ class BlockIndex:
         self.owners: dict[str, int] = {}  # engine instance -> owner id (0: nobody known)
         self._size(0)
 
-    def _size(self, n: int) -> None:
-        self.state = bytearray(n)
-        self.pins = array("I", bytes(4 * n))
-        self.ns_of = array("H", bytes(2 * n))
-        self.end_token = array("I", bytes(4 * n))
-        self.tail = bytearray(n)
-        self.slot_key: list[bytes | None] = [None] * n
-        self.gen = array("I", bytes(4 * n))  # grows whenever the slot goes to a new writer
-        self.owner = array("H", bytes(2 * n))  # who stored the block (reset of one engine's)
-        self.reserved_by: dict[int, object] = {}  # RESERVED slot -> holder (a client)
-        self.max_retired = max(64, n // 8)
-        self.free_target = max(2, min(256, n // 16))  # slots kept free (or retiring) ahead
-        # Kept on every transition so gauges and stats cost O(1), not a scan of the pool.
-        self.n_ready = self.n_pending = self.n_pinned = 0
-
     def share(self, path: str, daemon_id: str) -> None:
         """Publish the index at ``path`` once the pool is configured (see ``configure``)."""
         self._share = (path, daemon_id)
@@ -117,35 +73,6 @@ class BlockIndex:
     def epoch(self) -> int:
         """Position of the shared index's change ring: what readers report back."""
         return self.shared.head if self.shared is not None else 0
-
-    def owner_id(self, instance: str) -> int:
-        if not instance:
-            return 0
-        oid = self.owners.get(instance)
-        if oid is None:
-            oid = self.owners[instance] = len(self.owners) + 1 if len(self.owners) < 65534 else 0
-        return oid
-
-    def publish(self, slot: int) -> None:
-        """Mirror one slot into the shared index (after every change of it)."""
-        if self.shared is None:
-            return
-        state = _SHARED_STATE.get(SlotState(self.state[slot]), si.FREE)
-        key = self.slot_key[slot] if state != si.FREE else None
-        ns = self.namespaces[self.ns_of[slot]] if key is not None else None
-        flags = 0
-        if ns is not None and self.tail[slot]:
-            flags |= si.FLAG_TAIL
-            if ns.cost is not None and not ns.cost.admit_tail(self.end_token[slot]):
-                flags |= si.FLAG_NOT_WORTH
-        self.shared.write(slot, self.gen[slot], ns.id if ns is not None else 0, state, flags,
-                          key)
-
-    def republish(self, ns: Namespace) -> None:
-        """A namespace's time model changed: its tails' not-worth flags follow."""
-        for slot in ns.keys.values():
-            if self.tail[slot]:
-                self.publish(slot)
 
     # -- namespaces -------------------------------------------------------------------
 
