@@ -189,8 +189,9 @@ def run_shared_tier(turns: list[Turn], cost: TailCost, pool_bytes: int, *, prese
                     scale: float, seed: int = 0) -> dict[str, Any]:
     """Pool only vs shared tier, two nodes each: the ``shared_tier`` result (``not_run`` with
     the reason when Mooncake cannot run here)."""
-    # The store client logs every metadata lookup at INFO through glog; errors still show.
-    os.environ.setdefault("GLOG_minloglevel", "2")
+    # The store client logs every metadata lookup at INFO through glog; its MC_LOG_LEVEL is
+    # what it honours (not GLOG_minloglevel); errors still show.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     reason = mooncake_unavailable()
     if reason is not None:
         return {"not_run": f"shared tier not run: {reason}"}

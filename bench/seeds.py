@@ -24,7 +24,11 @@ def _is_num(v: Any) -> bool:
 def generic_reason(name: str, r: dict[str, Any]) -> str:
     """Why ``r`` is (not) met, from its ratio and target alone."""
     if r.get("not_run") or r.get("error"):
-        return f"not run: {r.get('not_run') or r.get('error')}"
+        # The last line of what went wrong (a daemon's traceback ends with the exception).
+        text = str(r.get("not_run") or r.get("error")).replace("\\n", "\n").strip()
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip() not in ("", "')", '")')]
+        last = lines[-1] if lines else "?"
+        return f"not run: {last[:300]}"
     ratio, target = r.get("ratio"), r.get("target")
     direction = r.get("direction") or DIRECTION.get(name)
     if r.get("meets") is True:

@@ -64,6 +64,10 @@ def test_every_suite_gets_a_reason(monkeypatch: pytest.MonkeyPatch,
 def test_a_suite_s_own_direction_wins() -> None:
     r = {"ratio": 0.5, "target": 0.8, "meets": False, "direction": ">="}
     assert generic_reason("lookup", r) == "ratio 0.5 is 37.5 % below the target (>= 0.8)"
+    err = repr(RuntimeError("daemon did not start: Traceback (most recent call last):\n  File "
+                            "x\nTypeError: bad keyword 'auto_views'\n"))
+    assert generic_reason("load", {"ratio": None, "meets": False, "error": err}) == (
+        "not run: TypeError: bad keyword 'auto_views'")
     assert "names no sub-target" in generic_reason("load", {
         "ratio": 0.5, "target": "zero errors", "meets": False})
 
@@ -108,7 +112,7 @@ def test_seeds_with_an_error_and_bad_counts(capsys: pytest.CaptureFixture[str]) 
 def test_libraries_are_quiet_unless_verbose(monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str],
                                             tmp_path: Path) -> None:
-    for key in ("KVO_BENCH_QUIET", "VLLM_LOGGING_LEVEL", "GLOG_minloglevel", "MC_LOG_LEVEL"):
+    for key in ("KVO_BENCH_QUIET", "VLLM_LOGGING_LEVEL", "MC_LOG_LEVEL"):
         monkeypatch.delenv(key, raising=False)
     vllm_log = logging.getLogger("vllm")
     monkeypatch.setattr(vllm_log, "level", logging.NOTSET)
@@ -116,7 +120,7 @@ def test_libraries_are_quiet_unless_verbose(monkeypatch: pytest.MonkeyPatch,
 
     def events(quick: bool) -> dict[str, Any]:
         env = dict(os.environ)
-        seen.append((env.get("KVO_BENCH_QUIET"), env.get("GLOG_minloglevel"),
+        seen.append((env.get("KVO_BENCH_QUIET"), env.get("MC_LOG_LEVEL"),
                      vllm_log.getEffectiveLevel()))
         vllm_log.warning("vLLM chatter")
         return {"ratio": 5.0, "target": 4.0, "meets": True}
@@ -127,7 +131,7 @@ def test_libraries_are_quiet_unless_verbose(monkeypatch: pytest.MonkeyPatch,
     assert main(["bench", "--suite", "events", "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "vLLM chatter" not in err and "running events" in err  # a phase line, no TTY
-    assert seen[-1] == ("1", "3", logging.ERROR)  # inherited by what the suite starts
+    assert seen[-1] == ("1", "ERROR", logging.ERROR)  # inherited by what the suite starts
     # Afterwards the caller's environment and levels are back (a test session keeps its own).
     assert "KVO_BENCH_QUIET" not in os.environ and vllm_log.level == logging.NOTSET
 
