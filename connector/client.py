@@ -173,14 +173,16 @@ class DaemonClient:
         self._geometry = (geometry, rank)
         return self.registered
 
-    def register_reader(self, geometry: Geometry, instance: str = "") -> p.Registered:
+    def register_reader(self, geometry: Geometry, instance: str = "",
+                        data_parallel_rank: int | None = None) -> p.Registered:
         """Register as an engine that reads the shared index in place (``IndexSession``)."""
         if self.welcome is None:
             self.connect()
         prefill, copy = self.time_model or (0.0, 0.0)
         reply = self.call(p.Register(rid=self.rid(), geometry=geometry,
                                      prefill_tokens_per_s=prefill, copy_bytes_per_s=copy,
-                                     reads_index=True, instance=instance))
+                                     reads_index=True, instance=instance,
+                                     data_parallel_rank=data_parallel_rank))
         self.registered = _expect(reply, p.Registered)
         self._geometry = (geometry, 0)
         return self.registered

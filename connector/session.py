@@ -67,8 +67,10 @@ class IndexSession:
     def __init__(self, endpoint: str, geometry: Geometry, *, timeout_ms: int = 500,
                  retry_ms: int = 1000, liveness_ms: int = 2000, name: str = "",
                  instance: str = "", curve: CurveClientKeys | None = None,
-                 time_model: tuple[float, float] | None = None, sync_ms: int = 2) -> None:
+                 time_model: tuple[float, float] | None = None, sync_ms: int = 2,
+                 data_parallel_rank: int | None = None) -> None:
         self.endpoint = endpoint
+        self.data_parallel_rank = data_parallel_rank  # sent on Register: the daemon's view
         self.sync_ms = sync_ms  # longest wait for our own writes' replies at a step's start
         self.geometry = geometry
         self.timeout_ms = timeout_ms
@@ -104,7 +106,8 @@ class IndexSession:
             # its lease releases it (and fences its slots) when it runs out.
             self.client.reset_socket()
             self.client.connect()
-            self.reg = reg = self.client.register_reader(self.geometry, self.instance)
+            self.reg = reg = self.client.register_reader(self.geometry, self.instance,
+                                                         self.data_parallel_rank)
             if not reg.index_path:
                 raise IndexGone("the daemon publishes no shared index (shared_index = false)")
             self.view = IndexView(reg.index_path, reg.engine, reg.daemon_id)

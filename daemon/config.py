@@ -75,6 +75,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     events_buffer_events: int = 128 * 1024  # replay buffer bound in events
     events_buffer_bytes: int = 256 << 20  # replay buffer bound in payload bytes
     engine_views: list[str] = []  # "rank=R,events=EP[,replay=EP][,engine=I][,namespace=NS]"
+    # View opened for each engine that sends its DP rank on Register: "events=EP[,replay=EP]"
+    # with {rank} and {index} (0, 1, ... in opening order) filled in ("": none); tcp port 0
+    # picks one port per view.
+    engine_views_auto: str = ""
     event_hashes: str = "int"  # "int": last 8 bytes big-endian (vLLM's default); "bytes": raw
     http: str = "127.0.0.1:9400"
     pool_path: str = "/dev/shm/kvoffload-pool"
@@ -176,6 +180,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("events_batch_events", self.events_batch_events >= 1, "must be >= 1"),
             ("events_buffer_events", self.events_buffer_events >= 1, "must be >= 1"),
             ("events_buffer_bytes", self.events_buffer_bytes >= 1, "must be >= 1"),
+            ("engine_views_auto", _auto_view_ok(self.engine_views_auto),
+             "must be events=EP[,replay=EP][,engine=I][,namespace=NS][,topic=T], {rank} allowed"),
             ("events_ownership", not (self.events_ownership and self.events_profile == "dynamo"),
              "cannot be set with the dynamo profile (Dynamo 1.6.1 drops such events)"),
             ("control", "://" in self.control, "must be a ZMQ endpoint like ipc:///run/x.sock"),
@@ -190,6 +196,15 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def http_host_port(self) -> tuple[str, int]:
         host, _, port = self.http.rpartition(":")
         return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _auto_view_ok(template: str) -> bool:
+    from kvoffload.events.profiles import auto_view_spec
+
+    try:
+        return not template or auto_view_spec(template, 0) is not None
+    except ValueError:
+        return False
 
 
 # Read by clients (connector), not by the daemon: never an unknown-setting error.

@@ -11,17 +11,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Any
 
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.index import Namespace
 from kvoffload.events.hub import StoredRecord
 from kvoffload.events.lookup_publisher import LookupEventPublisher
-from kvoffload.events.profiles import ViewSpec, format_topic, make_profile, parse_view_spec
+from kvoffload.events.profiles import (
+    ViewSpec,
+    auto_view_spec,
+    format_topic,
+    make_profile,
+    parse_view_spec,
+)
 from kvoffload.events.publisher import EventPublisher
 from kvoffload.events.schema import LookupEvent
 
-__all__ = ["EngineView", "EngineViews", "LookupEvents", "event_options"]
+__all__ = ["MAX_AUTO_VIEWS", "EngineView", "EngineViews", "LookupEvents", "event_options"]
+
+log = logging.getLogger("kvoffload.daemon")
+
+# Views opened for ranks engines announce: each binds sockets, so a client cannot make the
+# daemon open more than this many.
+MAX_AUTO_VIEWS = 64
 
 
 @dataclasses.dataclass(slots=True)
@@ -30,6 +43,7 @@ class EngineView:
 
     spec: ViewSpec
     pub: EventPublisher
+    engine: str | None = None  # the Register instance a view opened on Register serves
 
 
 def event_options(config: Any) -> dict[str, Any]:
@@ -41,7 +55,8 @@ def event_options(config: Any) -> dict[str, Any]:
     return {"profile": profile, "topic": topic, "batch_events": config.events_batch_events,
             "buffer_events": config.events_buffer_events,
             "buffer_bytes": config.events_buffer_bytes,
-            "engine_views": list(config.engine_views)}
+            "engine_views": list(config.engine_views),
+            "auto_views": getattr(config, "engine_views_auto", "")}
 
 
 class EngineViews:
@@ -50,6 +65,8 @@ class EngineViews:
     views: list[EngineView]
     _pub_options: dict[str, Any]
     _resident: dict[int, StoredRecord]
+    auto_views = ""  # engine_views_auto: the template of views opened on Register
+    _auto_opened = 0
 
     # -- per-engine views ---------------------------------------------------------------
 
@@ -76,6 +93,40 @@ class EngineViews:
         if view.spec.namespace is None:  # records do not say their namespace
             for rec in list(self._resident.values()):
                 view.pub.publish(rec.to_event())
+        return view
+
+    def engine_registered(self, data_parallel_rank: int | None,
+                          instance: str = "") -> EngineView | None:
+        """Register's hook: open the `auto_views` view of (instance, DP rank) unless open.
+
+        Returns the view (new or existing), None when there is none to give (no template,
+        no rank, or MAX_AUTO_VIEWS reached). Separate engines on a node are separate
+        workers to a router even at the same DP rank (each vLLM instance has rank 0), so
+        views are per vLLM engine_id and rank; a re-register of the same engine keeps its
+        view, which stays open while the daemon runs. Never raises: a view that cannot
+        bind is logged."""
+        if not self.auto_views or data_parallel_rank is None:
+            return None
+        for view in self.views:
+            if view.engine == instance and view.spec.rank == data_parallel_rank:
+                return view
+        if self._auto_opened >= MAX_AUTO_VIEWS:
+            return None
+        try:
+            spec = auto_view_spec(self.auto_views, data_parallel_rank, self._auto_opened)
+            view = self._open_view(spec)
+        except (ValueError, OSError) as exc:  # zmq.ZMQError is an OSError
+            log.error("cannot open the event view of DP rank %d: %s", data_parallel_rank, exc)
+            return None
+        view.engine = instance
+        self._auto_opened += 1
+        if self._started:
+            view.pub.start_soon()
+        for rec in list(self._resident.values()):
+            view.pub.publish(rec.to_event())
+        log.info("event view of DP rank %d (engine %r): events %s replay %s",
+                 data_parallel_rank, instance, view.pub.bound_endpoint,
+                 view.pub.bound_replay_endpoint)
         return view
 
     async def remove_engine_view(self, view: EngineView) -> None:

@@ -88,7 +88,7 @@ class DaemonEvents(EngineViews, LookupEvents):
                  profile: Profile | None = None, topic: str = "", batch_events: int = 256,
                  buffer_events: int = DEFAULT_BUFFER_EVENTS,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-                 engine_views: list[str] | None = None,
+                 engine_views: list[str] | None = None, auto_views: str = "",
                  secure: Callable[[Any], None] | None = None) -> None:
         self.int_hashes = int_hashes
         self.profile = profile or make_profile()
@@ -108,6 +108,7 @@ class DaemonEvents(EngineViews, LookupEvents):
                                  snapshot=self._snapshot, **self._pub_options)
                     if hub else None)
         self.views: list[EngineView] = []
+        self.auto_views = auto_views
         for spec in engine_views or []:
             self._open_view(parse_view_spec(spec))
         # (hashes, group) of stores the profile did not publish: their removals stay quiet.
@@ -144,12 +145,14 @@ class DaemonEvents(EngineViews, LookupEvents):
 
     @property
     def enabled(self) -> bool:
-        return self.kv is not None or self.hub is not None or bool(self.views)
+        return self.kv is not None or self.hub is not None or bool(self.views) or \
+            bool(self.auto_views)
 
     @property
     def _keep_records(self) -> bool:
         # Views added later (on Register) announce what is resident: keep the records then.
-        return self.hub is not None or self.keep_payloads or bool(self.views)
+        return self.hub is not None or self.keep_payloads or bool(self.views) or \
+            bool(self.auto_views)
 
     async def start(self) -> None:
         self._started = True

@@ -68,6 +68,9 @@ class Register(_Msg, tag="register"):
     reads_index: bool = False
     # Who is storing (vLLM's engine_id): ``Reset(scope="own")`` drops only its blocks.
     instance: str = ""
+    # The engine's data-parallel rank (vLLM's data_parallel_index), or None when not told: a
+    # daemon with ``engine_views_auto`` opens one per-engine event view per rank it is told.
+    data_parallel_rank: int | None = None
 
 
 class LookupQuery(msgspec.Struct, frozen=True, kw_only=True):

@@ -176,6 +176,8 @@ class Service:
         rates = (msg.prefill_tokens_per_s, msg.copy_bytes_per_s)
         if not all(0 <= r < float("inf") for r in rates):  # NaN fails both comparisons
             raise _bad("prefill_tokens_per_s and copy_bytes_per_s must be finite and >= 0")
+        if msg.data_parallel_rank is not None and not 0 <= msg.data_parallel_rank < 1 << 16:
+            raise _bad("data_parallel_rank must be 0..65535")
         pool = self.index.pool
         if not pool.configured:
             want = g.slot_bytes()
@@ -216,6 +218,7 @@ class Service:
                                             client.reader_record)
         self.metrics.engines.set(len(self.index.namespaces))
         self._update_pool_gauges()
+        self.events.engine_registered(msg.data_parallel_rank, msg.instance)  # its event view
         return p.Registered(
             rid=msg.rid, engine=ns.id, slot_bytes=pool.slot_bytes,
             rank_bytes=pool.slot_bytes // g.tp_world_size, num_slots=pool.num_slots,

@@ -29,7 +29,7 @@ from typing import Final
 
 from .schema import BlockStored, KVEvent
 
-__all__ = ["PROFILES", "Profile", "ViewSpec", "format_topic", "make_profile",
+__all__ = ["PROFILES", "Profile", "ViewSpec", "auto_view_spec", "format_topic", "make_profile",
            "parse_view_spec"]
 
 PROFILES: Final = ("full", "dynamo", "llm-d")
@@ -106,6 +106,16 @@ class ViewSpec:
     engine: int | None = None  # index into --engine-events whose GPU batches are merged in
     namespace: str | None = None  # only events of this namespace (default: all)
     topic: str = ""
+
+
+def auto_view_spec(template: str, rank: int, index: int = 0) -> ViewSpec:
+    """The `index`-th view opened from `engine_views_auto`, for an engine of DP rank `rank`.
+
+    `{rank}` and `{index}` are filled in; ValueError if the result is not a view spec."""
+    if "rank=" in template.replace("{rank}", ""):
+        raise ValueError(f"engine_views_auto {template!r}: the rank comes from the engine")
+    filled = template.replace("{rank}", str(rank)).replace("{index}", str(index))
+    return parse_view_spec(f"rank={rank},{filled}")
 
 
 def parse_view_spec(spec: str) -> ViewSpec:

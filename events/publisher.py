@@ -196,6 +196,10 @@ class EventPublisher:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.start_soon()
+
+    def start_soon(self) -> None:
+        """`start` from synchronous code running in the loop (the sender runs from then on)."""
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()

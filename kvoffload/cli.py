@@ -38,6 +38,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--events-buffer-bytes", help="replay buffer in payload bytes (256MiB)")
     s.add_argument("--engine-view", dest="engine_views", action="append",
                    help="per-engine stream rank=R,events=EP[,replay=EP][,engine=I] (repeatable)")
+    s.add_argument("--engine-views-auto",
+                   help="view for each engine that sends its DP rank on Register: "
+                        "events=EP[,replay=EP], {rank} and {index} filled in")
     s.add_argument("--event-hashes", choices=["int", "bytes"],
                    help="block hashes in events as integers (vLLM's default) or raw bytes")
     s.add_argument("--http", help="HOST:PORT for /healthz /readyz /metrics (127.0.0.1:9400)")
@@ -92,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
             "log_format", "log_level", "engine_events_max_tokens", "hub", "hub_replay",
             "hub_buffer_batches", "events_profile", "events_tails", "events_ownership",
             "events_topic", "events_node", "events_model", "events_batch_events",
-            "events_buffer_events", "events_buffer_bytes", "engine_views", "disk_dir", "disk_bytes", "disk_read_bytes_per_s", "mooncake_master",
+            "events_buffer_events", "events_buffer_bytes", "engine_views", "engine_views_auto", "disk_dir", "disk_bytes", "disk_read_bytes_per_s", "mooncake_master",
             "mooncake_metadata", "mooncake_local_hostname", "mooncake_protocol",
             "mooncake_device", "mooncake_segment_bytes", "mooncake_buffer_bytes",
             "mooncake_put"]

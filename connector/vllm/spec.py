@@ -70,7 +70,8 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 liveness_ms=s.liveness_ms, instance=self.config.engine_id,
                 name=f"vllm scheduler {self.config.engine_id} pid {os.getpid()}",
                 curve=CurveClientKeys.from_settings(self.extra_config),
-                time_model=s.time_model, sync_ms=s.sync_ms)
+                time_model=s.time_model, sync_ms=s.sync_ms,
+                data_parallel_rank=self.config.parallel.data_parallel_index)
             self._manager = DaemonOffloadingManager(session, self.geometry, s)
             self._manager.attach()  # at start, not inside the first scheduler step
             if self.handover is not None:
