@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import functools
 import json
 import logging
@@ -19,19 +18,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
-from kvoffload.daemon import protocol as p
 from kvoffload.daemon.config import Config
-from kvoffload.daemon.errors import RequestError
+from kvoffload.daemon.frames import ControlFrames, _salvage_rid  # noqa: F401 - re-exported
 from kvoffload.daemon.http import HttpServer
 from kvoffload.daemon.index import BlockIndex
-from kvoffload.daemon.journal import Journal, recover_state
+from kvoffload.daemon.journal import Journal
 from kvoffload.daemon.kv_events import DaemonEvents, event_options
 from kvoffload.daemon.loop_health import (
-    TURN_FRAMES,
-    TURN_SECONDS,
     LoopLagMonitor,
     ParkedLookups,
     drain_backlog,
@@ -47,15 +42,11 @@ from kvoffload.daemon.security import (
     insecure_endpoint_warning,
     load_keypair,
 )
+from kvoffload.daemon.server_start import ServerStartup, StartupError
 from kvoffload.daemon.service import Service
 from kvoffload.daemon.shared_index import index_path_for, supersede
 from kvoffload.daemon.startup import (
-    StartFault,
     check_ipc_folders,
-    held_by,
-    open_owned,
-    probe_state_dir,
-    secure_dir,
 )
 from kvoffload.daemon.tiers import Promoter
 from kvoffload.daemon.tiers.base import Tier
@@ -70,38 +61,7 @@ log = logging.getLogger("kvoffload.daemon")
 RCVHWM_FRAMES = 8
 
 
-class StartupError(StartFault):
-    """The daemon cannot start (endpoint or pool in use, bad path); the message says why."""
-
-
-class _RidOnly(msgspec.Struct):
-    rid: int = 0
-
-
-_rid_decoder = msgspec.msgpack.Decoder(_RidOnly)
-
-
-def _salvage_rid(payload: bytes) -> int:
-    """The rid of an otherwise invalid request, so the client can match the error to it."""
-    try:
-        return _rid_decoder.decode(payload).rid
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return 0
-
-
-def _peer_of(frame: zmq.Frame) -> str:
-    """A CURVE client's key (ZAP's User-Id), else the tcp peer's address."""
-    for prop in ("User-Id", "Peer-Address"):
-        try:
-            value = frame.get(prop)
-        except zmq.ZMQError:
-            continue
-        if value:
-            return f"{prop}:{value}"
-    return ""
-
-
-class Server:
+class Server(ControlFrames, ServerStartup):
     def __init__(self, config: Config, ready_file: str | None = None) -> None:
         self.config = config
         self.ready_file = ready_file
@@ -201,23 +161,6 @@ class Server:
                "hub_replay": ev.hub.bound_replay_endpoint if ev.hub else None}
         return {"endpoints": {k: v for k, v in eps.items() if v}}
 
-    def _lock_ipc(self) -> None:
-        """ZMQ silently takes over an ipc path in use; a lock file makes a 2nd start fail.
-        The folder and the lock file are the daemon's own (startup.py says why)."""
-        if not self.config.control.startswith("ipc://"):
-            return
-        path = Path(self.config.control[len("ipc://"):])
-        secure_dir(path.parent, "control")
-        fd, _ = open_owned(Path(f"{path}.lock"), "control", "control lock file")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = held_by(fd)
-            os.close(fd)
-            raise StartupError(f"control {self.config.control} is in use by {holder} (another "
-                               "kvoffload daemon): stop it or choose another --control") from None
-        self._lock_fd = fd
-
     def _bind(self) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -305,159 +248,6 @@ class Server:
             self._write_ready_file()
         self.notifier.ready(f"serving {self.control_endpoint}")
         self.notifier.start_watchdog()
-
-    def _recover(self, state_dir: Path) -> None:
-        """Warm restart from the state dir, or a cold start when it cannot be used
-        (``state_dir_errors = "cold"``, the default) or one line (``"refuse"``)."""
-        why = probe_state_dir(state_dir)
-        if why is None:
-            try:
-                self.journal = recover_state(state_dir, self.index, self.metrics.registry,
-                                             self.config.slot_bytes, self.service._block_added)
-            except OSError as exc:  # after the probe passed: the disk failed meanwhile
-                raise StartupError(f"state_dir {state_dir}: recovery failed: "
-                                   f"{exc.strerror or exc}; fix the folder or start without "
-                                   "--state-dir") from None
-            for ns in self.index.namespaces:  # re-announced once their payload is known
-                for key, slot in ns.keys.items():
-                    self.events.recovered(ns, key, slot, bool(self.index.tail[slot]))
-            return
-        if self.config.state_dir_errors == "refuse":
-            raise StartupError(f"state_dir {state_dir}: {why}; fix it, or set "
-                               "state_dir_errors = \"cold\" to start without warm restart")
-        self.state_dir_faulty.set(1)
-        log.warning("STATE DIR UNUSABLE: state_dir %s: %s. Starting COLD: nothing is recovered "
-                    "and nothing is journaled until it is fixed and the daemon restarted "
-                    "(state_dir_errors = \"refuse\" stops the start instead)", state_dir, why)
-
-    def _write_ready_file(self) -> None:
-        """Written whole, then renamed: a watcher never reads a half-written file."""
-        assert self.ready_file is not None
-        tmp = Path(f"{self.ready_file}.tmp")
-        tmp.write_text(json.dumps({
-                "pid": os.getpid(), "control": self.control_endpoint, "http": self.http.url,
-                "pool_path": str(self.pool.path),
-                "events": self.events.kv.bound_endpoint if self.events.kv else None,
-                "events_replay": (self.events.kv.bound_replay_endpoint
-                                  if self.events.kv else None),
-                "lookup_events": (self.events.lookups.bound_endpoint
-                                  if self.events.lookups else None),
-                "hub": self.events.hub.bound_endpoint if self.events.hub else None,
-                "hub_replay": (self.events.hub.bound_replay_endpoint
-                               if self.events.hub else None),
-                "engine_views": [{"rank": v.spec.rank, "events": v.pub.bound_endpoint,
-                                  "replay": v.pub.bound_replay_endpoint}
-                                 for v in self.events.views]}))
-        tmp.replace(self.ready_file)
-
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    # -- serve ------------------------------------------------------------------------
-
-    async def _reply(self, identity: bytes, reply: p._Msg) -> None:
-        if isinstance(reply, p.Error):
-            self.metrics.protocol_errors.labels(reply.code.value).inc()
-        assert self._sock is not None
-        try:
-            await self._sock.send_multipart([identity, p.encoder.encode(reply)])
-        except zmq.ZMQError as exc:  # peer gone: nothing to answer
-            log.debug("reply to a departed client dropped: %s", exc)
-
-    async def _finish(self, identity: bytes, rid: int, pending: Any) -> None:
-        try:
-            reply = await pending
-        except RequestError as exc:
-            reply = p.Error(rid=rid, code=exc.code, message=exc.message)
-        except Exception:
-            log.exception("internal error while answering request %d", rid)
-            reply = p.Error(rid=rid, code=p.ErrorCode.INTERNAL, message="internal error")
-        await self._reply(identity, reply)
-
-    def _client_alive(self, client: Any) -> bool:
-        return self.service.leases.clients.get(client.identity) is client
-
-    def _refuse(self, reason: str, rid: int, code: p.ErrorCode, message: str) -> p.Error:
-        self.metrics.refused.labels(reason).inc()
-        return p.Error(rid=rid, code=code, message=message)
-
-    def answer(self, identity: bytes, payload: bytes, peer: str = "") -> p._Msg | Any:
-        """Decode and handle one frame; never raises for anything a client can send."""
-        if len(payload) > self.config.max_message_bytes:  # checked before any decoding
-            return self._refuse("frame_too_large", _salvage_rid(payload), p.ErrorCode.TOO_LARGE,
-                                f"message of {len(payload)} bytes; the limit is "
-                                f"{self.config.max_message_bytes}")
-        try:
-            msg = p.request_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return p.Error(rid=_salvage_rid(payload), code=p.ErrorCode.MALFORMED, message=str(exc))
-        except RecursionError:  # msgspec bounds nesting by the interpreter's recursion limit
-            return self._refuse("nesting", _salvage_rid(payload), p.ErrorCode.MALFORMED,
-                                "msgpack nested too deeply")
-        if isinstance(msg, p.Lookup) and msg.wait_ms > 0 and self.parked.full(identity):
-            return self._refuse("parked_lookups", msg.rid, p.ErrorCode.TOO_LARGE,
-                                f"{self.parked.limit} lookups of this client are parked "
-                                "already")
-        try:
-            out = self.service.handle(identity, msg, peer)
-            if isinstance(msg, p.Bye):  # gone now: its parked lookups answer nobody
-                self.parked.cancel_departed(self.service.leases.clients)
-            return out
-        except RequestError as exc:
-            return p.Error(rid=msg.rid, code=exc.code, message=exc.message)
-        except Exception:
-            log.exception("internal error while handling %s", type(msg).__name__)
-            return p.Error(rid=msg.rid, code=p.ErrorCode.INTERNAL, message="internal error")
-
-    async def _serve_frames(self, frames: list[Any]) -> None:
-        peer = ""
-        if frames and isinstance(frames[-1], zmq.Frame):  # tcp: who sent it, for per-peer caps
-            peer = _peer_of(frames[-1])
-            frames = [f.bytes for f in frames]
-        if len(frames) != 2:
-            if len(frames) > 2:  # _reply counts the error
-                await self._reply(frames[0], p.Error(
-                    rid=0, code=p.ErrorCode.MALFORMED,
-                    message="a request is exactly one msgpack frame"))
-            return
-        identity, payload = frames
-        try:
-            out = self.answer(identity, payload, peer)
-            if isinstance(out, p._Msg):
-                await self._reply(identity, out)
-            else:
-                self.parked.add(identity, self._spawn(
-                    self._finish(identity, _salvage_rid(payload), out)))
-        except Exception:  # whatever one frame does, the receive loop must go on
-            log.exception("unexpected error while serving one frame; continuing")
-
-    async def _serve_control(self) -> None:
-        """Bounded turns: at most TURN_FRAMES frames or TURN_SECONDS, then yield.
-
-        Awaiting a ready zmq future does not yield to the loop, so without the turn a flood
-        would starve timers, /healthz and parked lookups. ROUTER fair-queues its peers, so
-        within a turn every client with frames waiting gets its share."""
-        sock = self._sock
-        assert sock is not None
-        clock = asyncio.get_running_loop().time
-        # On tcp the frames' metadata names the peer (identities per peer); ipc peers are all
-        # the daemon's own user, and bytes are cheaper to receive.
-        copy = self.config.control.startswith("ipc://")
-        while True:
-            await self._serve_frames(await sock.recv_multipart(copy=copy))
-            end = clock() + TURN_SECONDS
-            for _ in range(TURN_FRAMES - 1):
-                if clock() >= end:
-                    break
-                try:
-                    frames = await sock.recv_multipart(zmq.NOBLOCK, copy=copy)
-                except zmq.Again:
-                    break
-                await self._serve_frames(frames)
-            await asyncio.sleep(0)
 
     async def _index_heartbeat(self) -> None:
         """Engines read the daemon's liveness from the shared index, without a message; fenced

@@ -14,61 +14,31 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from kvoffload.daemon import lookup as lk
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.config import Config
 from kvoffload.daemon.cost import TailCost, TimeModel
 from kvoffload.daemon.errors import MAX_KEY_BYTES, RequestError
 from kvoffload.daemon.errors import bad_request as _bad
-from kvoffload.daemon.index import BlockIndex, Namespace, SlotState
+from kvoffload.daemon.index import BlockIndex, Namespace
 from kvoffload.daemon.kv_events import DaemonEvents
 from kvoffload.daemon.leases import ClientState, Leases, drop_pin, take_pin
 from kvoffload.daemon.lookups import LookupHandler
 from kvoffload.daemon.metrics import DaemonMetrics
 from kvoffload.daemon.quotas import Quotas
+from kvoffload.daemon.registration import (  # noqa: F401 - re-exported: callers use service.X
+    MAX_NAMESPACES,
+    MAX_SLOTS,
+    MIN_SLOTS,
+    validate_geometry,
+)
 from kvoffload.daemon.shared_index import index_path_for
 from kvoffload.daemon.steps import StepHandler
-from kvoffload.daemon.types import Geometry, GroupKind, KeyStatus
+from kvoffload.daemon.types import KeyStatus
+from kvoffload.daemon.upkeep import ServiceUpkeep
 
 log = logging.getLogger("kvoffload.daemon")
 
-# Namespaces are never forgotten while the daemon runs: bound what clients can make it keep.
-MAX_NAMESPACES = 4096
-# Without --slot-bytes the first engine sizes the pool's slots: refuse a block size that would
-# make a useless pool: ~120 B of bookkeeping per slot (index, policy, shared index) past 2M
-# slots, or fewer slots than one long request stores.
-MAX_SLOTS = 1 << 21
-MIN_SLOTS = 16
-
-
-
-def validate_geometry(g: Geometry, rank: int) -> None:
-    if not g.namespace or len(g.namespace) > 512:
-        raise _bad("namespace must be 1..512 characters")
-    if not 1 <= len(g.groups) <= 64:
-        raise _bad("an engine has 1..64 KV-cache groups")
-    if g.group_ids and (len(g.group_ids) != len(g.groups) or len(set(g.group_ids)) != len(g.groups)
-                        or not all(0 <= i < 1 << 32 for i in g.group_ids)):
-        raise _bad("group_ids must name each group once, as 4-byte unsigned ids")
-    if g.tokens_per_hash <= 0 or g.blocks_per_chunk <= 0:
-        raise _bad("tokens_per_hash and blocks_per_chunk must be positive")
-    if not 1 <= g.tp_world_size <= 1024 or not 0 <= rank < g.tp_world_size:
-        raise _bad(f"rank {rank} is not in a tensor-parallel world of {g.tp_world_size}")
-    for i, grp in enumerate(g.groups):
-        if grp.tokens_per_block <= 0 or grp.tokens_per_block % g.tokens_per_hash:
-            raise _bad(f"group {i}: tokens_per_block {grp.tokens_per_block} is not a positive "
-                       f"multiple of tokens_per_hash {g.tokens_per_hash}")
-        if grp.bytes_per_block <= 0:
-            raise _bad(f"group {i}: bytes_per_block must be positive")
-        if grp.kind == GroupKind.SLIDING_WINDOW and not grp.sliding_window_tokens:
-            raise _bad(f"group {i}: a sliding-window group needs sliding_window_tokens")
-    try:
-        lk.plan_for(g)  # the lookup's own consistency rules (e.g. Mamba chunk sizes agree)
-    except ValueError as exc:
-        raise _bad(str(exc)) from None
-
-
-class Service:
+class Service(ServiceUpkeep):
     def __init__(self, config: Config, index: BlockIndex, metrics: DaemonMetrics,
                  events: DaemonEvents) -> None:
         self.config = config
@@ -402,72 +372,3 @@ class Service:
         self._update_pool_gauges()
         return p.Ack(rid=msg.rid, count=count)
 
-    # -- housekeeping -----------------------------------------------------------------
-
-    def expire_leases(self) -> int:
-        """Release what clients whose lease ran out still hold; returns how many expired."""
-        gone = self.leases.expired()
-        for client in gone:
-            pins, pending = sum(client.pins.values()), len(client.pending)
-            self.metrics.pins_released.inc(pins)
-            self.metrics.stores.labels("expired").inc(self._release_client(client) - pins)
-            if pins or pending:
-                log.info("lease of client %r expired: released %d pins, %d pending stores",
-                         client.name, pins, pending)
-        if gone:
-            self.metrics.leases_expired.inc(len(gone))
-            self.metrics.clients.set(len(self.leases))
-            self._update_pool_gauges()
-        return len(gone)
-
-    def _release_client(self, client: ClientState, fence: bool = True) -> int:
-        """Drop a departing client's pins and abort its pending stores; returns how many."""
-        released = 0
-        for slot, n in client.pins.items():
-            for _ in range(n):
-                self.index.unpin(slot)
-            released += n
-        client.pins.clear()
-        # Its workers may still be writing what it held: those slots wait a lease before reuse.
-        fence_s = client.lease_ms / 1000 if fence else 0.0
-        for slot in list(client.pending):
-            key = self.index.slot_key[slot]
-            if key is not None and self.index.state[slot] == SlotState.PENDING:
-                self.index.abort(self.index.namespaces[self.index.ns_of[slot]], key,
-                                 fence_s=fence_s)
-                released += 1
-            self._pending_owner.pop(slot, None)
-        client.pending.clear()
-        record = client.reader_record
-        released += self.steps.release_client(client, fence_s)
-        if record >= 0:
-            self._free_records.append(record)
-            client.reader_record = -1
-            client.reads_index = False
-        self.index.reclaim()
-        self._update_pool_gauges()
-        return released
-
-    def _update_pool_gauges(self) -> None:
-        idx, pool, m = self.index, self.index.pool, self.metrics
-        ready, pending = idx.count(SlotState.READY), idx.count(SlotState.PENDING)
-        m.pool_slots.labels("total").set(pool.num_slots)
-        m.pool_slots.labels("ready").set(ready)
-        m.pool_slots.labels("pending").set(pending)
-        m.pool_slots.labels("free").set(pool.free_slots)
-        m.pool_bytes.labels("total").set(pool.pool_bytes)
-        m.pool_bytes.labels("used").set((ready + pending) * pool.slot_bytes)
-        m.pool_bytes.labels("pending").set(pending * pool.slot_bytes)
-        m.pool_bytes.labels("free").set(pool.pool_bytes - (ready + pending) * pool.slot_bytes)
-        m.pinned_slots.set(idx.n_pinned)
-
-    def stats(self, client: ClientState, msg: p.Stats) -> p.StatsReply:
-        idx, pool = self.index, self.index.pool
-        return p.StatsReply(rid=msg.rid, stats={
-            "daemon_id": self.daemon_id, "clients": len(self.leases),
-            "namespaces": len(idx.namespaces), "num_slots": pool.num_slots,
-            "slot_bytes": pool.slot_bytes, "free_slots": pool.free_slots,
-            "ready": idx.count(SlotState.READY), "pending": idx.count(SlotState.PENDING),
-            "pinned": idx.n_pinned, "policy": idx.policy.name, "http": self.http_url,
-            **self.totals,
-        })

@@ -1,0 +1,107 @@
+"""Start-up steps of ``server.Server``: the control path's lock, warm restart from the state
+dir (or a loud cold start), the ready file.
+
+A mixin of ``server.Server`` (split out to keep each module readable).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from pathlib import Path
+
+from kvoffload.daemon.config import Config
+from kvoffload.daemon.http import HttpServer
+from kvoffload.daemon.index import BlockIndex
+from kvoffload.daemon.journal import Journal, recover_state
+from kvoffload.daemon.kv_events import DaemonEvents
+from kvoffload.daemon.metrics import DaemonMetrics
+from kvoffload.daemon.pool import Pool
+from kvoffload.daemon.service import Service
+from kvoffload.daemon.startup import StartFault, held_by, open_owned, probe_state_dir, secure_dir
+from prometheus_client import Gauge
+
+log = logging.getLogger("kvoffload.daemon")
+
+
+class StartupError(StartFault):
+    """The daemon cannot start (endpoint or pool in use, bad path); the message says why."""
+
+
+class ServerStartup:
+    # Set by Server.__init__ (declared here for the methods below).
+    config: Config
+    ready_file: str | None
+    metrics: DaemonMetrics
+    pool: Pool
+    index: BlockIndex
+    events: DaemonEvents
+    service: Service
+    http: HttpServer
+    journal: Journal | None
+    state_dir_faulty: Gauge
+    control_endpoint: str
+    _lock_fd: int | None
+
+    def _lock_ipc(self) -> None:
+        """ZMQ silently takes over an ipc path in use; a lock file makes a 2nd start fail.
+        The folder and the lock file are the daemon's own (startup.py says why)."""
+        if not self.config.control.startswith("ipc://"):
+            return
+        path = Path(self.config.control[len("ipc://"):])
+        secure_dir(path.parent, "control")
+        fd, _ = open_owned(Path(f"{path}.lock"), "control", "control lock file")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = held_by(fd)
+            os.close(fd)
+            raise StartupError(f"control {self.config.control} is in use by {holder} (another "
+                               "kvoffload daemon): stop it or choose another --control") from None
+        self._lock_fd = fd
+
+    def _recover(self, state_dir: Path) -> None:
+        """Warm restart from the state dir, or a cold start when it cannot be used
+        (``state_dir_errors = "cold"``, the default) or one line (``"refuse"``)."""
+        why = probe_state_dir(state_dir)
+        if why is None:
+            try:
+                self.journal = recover_state(state_dir, self.index, self.metrics.registry,
+                                             self.config.slot_bytes, self.service._block_added)
+            except OSError as exc:  # after the probe passed: the disk failed meanwhile
+                raise StartupError(f"state_dir {state_dir}: recovery failed: "
+                                   f"{exc.strerror or exc}; fix the folder or start without "
+                                   "--state-dir") from None
+            for ns in self.index.namespaces:  # re-announced once their payload is known
+                for key, slot in ns.keys.items():
+                    self.events.recovered(ns, key, slot, bool(self.index.tail[slot]))
+            return
+        if self.config.state_dir_errors == "refuse":
+            raise StartupError(f"state_dir {state_dir}: {why}; fix it, or set "
+                               "state_dir_errors = \"cold\" to start without warm restart")
+        self.state_dir_faulty.set(1)
+        log.warning("STATE DIR UNUSABLE: state_dir %s: %s. Starting COLD: nothing is recovered "
+                    "and nothing is journaled until it is fixed and the daemon restarted "
+                    "(state_dir_errors = \"refuse\" stops the start instead)", state_dir, why)
+
+    def _write_ready_file(self) -> None:
+        """Written whole, then renamed: a watcher never reads a half-written file."""
+        assert self.ready_file is not None
+        tmp = Path(f"{self.ready_file}.tmp")
+        tmp.write_text(json.dumps({
+                "pid": os.getpid(), "control": self.control_endpoint, "http": self.http.url,
+                "pool_path": str(self.pool.path),
+                "events": self.events.kv.bound_endpoint if self.events.kv else None,
+                "events_replay": (self.events.kv.bound_replay_endpoint
+                                  if self.events.kv else None),
+                "lookup_events": (self.events.lookups.bound_endpoint
+                                  if self.events.lookups else None),
+                "hub": self.events.hub.bound_endpoint if self.events.hub else None,
+                "hub_replay": (self.events.hub.bound_replay_endpoint
+                               if self.events.hub else None),
+                "engine_views": [{"rank": v.spec.rank, "events": v.pub.bound_endpoint,
+                                  "replay": v.pub.bound_replay_endpoint}
+                                 for v in self.events.views]}))
+        tmp.replace(self.ready_file)
