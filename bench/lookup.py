@@ -171,8 +171,11 @@ def plugin_lookup(tokens: list[int], resident: int, seed: int
         filler = [fill.randbytes(32) + (i % groups).to_bytes(4, "big")
                   for i in range(resident - len(keys))]
         everything = keys + filler
-        for i in range(0, len(everything), 1 << 15):
-            batch = everything[i:i + (1 << 15)]
+        # Pending stores count against one client's share of the pool (client_pool_share_pct):
+        # batches well under it.
+        step = max(1, min(1 << 15, resident // 4))
+        for i in range(0, len(everything), step):
+            batch = everything[i:i + step]
             writer.prepare_store([p.StoreItem(key=k, end_token=0) for k in batch])
             writer.commit_store(batch)
         writer.close()
