@@ -10,7 +10,7 @@ tokens as the attention tail at the same boundary, told apart by ``group_idx`` a
 
 A store whose request carried no token ids is still stored, but its event waits (bounded, and
 counted) until a payload is known: a router must never see a silent placeholder. For complete
-chunks the payload comes from the engines' own streams (``daemon/engine_streams.py``): a GPU
+chunks the payload comes from the engines' own streams (``daemon/kv_event_completion.py``): a GPU
 block's hash is the last fine hash inside it, i.e. our chunk key's hash, and any group of the
 namespace will do (tokens are the same for every group). Partial tails cannot be completed that
 way (vLLM only publishes full blocks): they stay awaiting, counted, until evicted.
@@ -42,6 +42,7 @@ import msgspec
 from kvoffload.daemon import protocol as p
 from kvoffload.daemon.engine_streams import DEFAULT_MAX_TOKENS, EngineStreams
 from kvoffload.daemon.index import Namespace
+from kvoffload.daemon.kv_event_completion import EngineCompletion
 from kvoffload.daemon.kv_event_views import (  # event_options: server.py's entry point
     EngineView,
     EngineViews,
@@ -78,7 +79,7 @@ RECENTLY_EVICTED = 65_536
 QUIET_KEYS = 1 << 18  # (hashes, group) of stores a profile suppressed, for their removals
 
 
-class DaemonEvents(EngineViews, LookupEvents):
+class DaemonEvents(EngineCompletion, EngineViews, LookupEvents):
     def __init__(self, *, events: str | None, events_replay: str | None,
                  lookup_events: str | None, int_hashes: bool, registry: CollectorRegistry,
                  hwm: int = 100_000, buffer_batches: int = 10_000,
@@ -169,9 +170,6 @@ class DaemonEvents(EngineViews, LookupEvents):
             if pub is not None:
                 await pub.aclose(flush=True)
 
-    def _hash(self, h: bytes) -> Any:
-        return hash_to_int(h) if self.int_hashes else h
-
     # -- index listeners --------------------------------------------------------------
 
     def remember(self, slot: int, item: p.StoreItem) -> None:
@@ -222,18 +220,6 @@ class DaemonEvents(EngineViews, LookupEvents):
         self.incomplete.labels("recovered").inc()
         self.awaiting_gauge.set(len(self._awaiting))
 
-    def _unawait(self, slot: int) -> bool:
-        got = self._awaiting.pop(slot, None)
-        if got is None:
-            return False
-        h = hash_to_int(key_hash(got[1]))
-        slots = self._awaiting_by_hash.get(h)
-        if slots is not None:
-            slots.discard(slot)
-            if not slots:
-                del self._awaiting_by_hash[h]
-        return True
-
     def _emit(self, event: KVEvent, ns: Namespace | None = None, tail: bool = False) -> bool:
         """Publish `event` to every router-facing stream, as the profile says; False: not."""
         if not self.profile.allows(event, tail):
@@ -276,75 +262,6 @@ class DaemonEvents(EngineViews, LookupEvents):
             self._resident[slot] = StoredRecord.from_event(event, tokens=shared[0])
         if not self._emit(event, ns, tail):
             self._hush(event.block_hashes, event.group_idx)
-
-    # -- completion from engine streams -------------------------------------------------
-
-    def _engine_block(self, h: int) -> None:
-        """An engine announced block `h`: publish the stores that waited for its payload."""
-        slots = self._awaiting_by_hash.get(h)
-        if not slots:
-            return
-        for slot in list(slots):
-            ns, key = self._awaiting[slot]
-            event = self._from_engines(ns, key, slot)
-            if event is not None:
-                self._unawait(slot)
-                self.completed.inc()
-                self._publish_stored(slot, key, event, ns)
-        self.awaiting_gauge.set(len(self._awaiting))
-
-    def _wire(self, h: Any) -> Any:
-        """An engine's hash in our configured form; None when it cannot be (int -> bytes)."""
-        if self.int_hashes:
-            return hash_to_int(h) if isinstance(h, bytes) else h
-        return h if isinstance(h, bytes) else None
-
-    def _from_engines(self, ns: Namespace, key: bytes, slot: int) -> BlockStored | None:
-        """The chunk's payload from the engines' GPU blocks ending at the key's hash."""
-        if self.engines is None:
-            return None
-        g = ns.geometry
-        group = key_group(key)
-        spec = g.groups[g.group_pos(key)]
-        need = spec.tokens_per_block * g.blocks_per_chunk
-        chain: list[StoredRecord] = []
-        h: Any = hash_to_int(key_hash(key))
-        have = 0
-        while have < need:  # a chunk of several engine blocks: follow parents back
-            rec = self.engines.find(h, group)
-            if rec is None:
-                return None
-            chain.append(rec)
-            have += len(rec.tokens)
-            if have < need:
-                if rec.parent is None:
-                    return None
-                h = hash_to_int(rec.parent) if isinstance(rec.parent, bytes) else rec.parent
-        chain.reverse()
-        parent = None if chain[0].parent is None else self._wire(chain[0].parent)
-        if have != need or (chain[0].parent is not None and parent is None):
-            self.incomplete.labels("engine_mismatch").inc()
-            return None
-        if len(chain) == 1:
-            hashes = [self._hash(key_hash(key))]
-            block_size = need
-        else:
-            hashes = [self._wire(r.hashes[0]) for r in chain[:-1]] + [self._hash(key_hash(key))]
-            block_size = chain[0].block_size
-            if None in hashes or any(r.block_size != block_size for r in chain):
-                self.incomplete.labels("engine_mismatch").inc()
-                return None
-        tokens: list[int] = []
-        extra: list[Any] = []
-        for r in chain:
-            tokens.extend(r.tokens)
-            extra.extend(r.extra_keys or (None,))
-        return BlockStored(
-            block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
-            block_size=block_size, lora_id=None, medium="CPU", lora_name=chain[-1].lora_name,
-            extra_keys=extra if len(extra) == len(hashes) and any(extra) else None,
-            group_idx=group, kv_cache_spec_kind=spec.kind.value,
-            kv_cache_spec_sliding_window=spec.sliding_window_tokens, locality="LOCAL")
 
     # -- hub ---------------------------------------------------------------------------
 

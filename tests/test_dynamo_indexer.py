@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,14 +89,21 @@ def _demo(control: str, preset: str, requests: int, seed: int = 0) -> dict[str, 
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def _settle(idx: DynamoIndexer, want: set[Any], timeout: float = 60.0) -> set[Any]:
-    """Dynamo's index once it equals `want` (it applies events asynchronously), else the last
-    one seen after `timeout` (the assertion then shows the difference)."""
+def _settle(idx: DynamoIndexer, replay: str, want_of: Callable[[set[Any]], set[Any]],
+            timeout: float = 60.0) -> tuple[set[Any], set[Any], set[Any]]:
+    """(Dynamo's index, what the stream says it should be, the stream's held blocks) once the
+    two agree, else the last pair seen after `timeout` (the assertion shows the difference).
+
+    Both sides move after a demo ends: Dynamo applies events asynchronously, and the stream
+    itself still grows while disk writes finish (a STORAGE BlockStored is published when its
+    write lands), so the stream is read again on every round, not once."""
     deadline = time.monotonic() + timeout
     while True:
+        held = replay_state(replay)[0]
+        want = want_of(held)
         got = idx.blocks()
         if got == want or time.monotonic() > deadline:
-            return got
+            return got, want, held
         time.sleep(0.2)
 
 
@@ -133,11 +140,14 @@ def test_dynamo_indexes_every_attention_chunk_under_each_engine(
             indexer.register(worker, view["events"], p.block_tokens, dp_rank=view["rank"],
                              replay=view["replay"])
         _demo(d.control, preset, requests)
-        held, events, _, kinds = replay_state(d.ready["events_replay"])
+
+        def want_of(held: set[Any]) -> set[Any]:
+            want = {(w, v["rank"], tier, h) for w, v in enumerate(views, 1) for tier, h in held}
+            return want | {(1, 0, "device", h) for h in gpu}  # engine 0's own: its worker only
+
+        got, want, held = _settle(indexer, d.ready["events_replay"], want_of)
+        _, events, _, kinds = replay_state(d.ready["events_replay"])
         assert events > 0 and set(kinds) == {"full_attention"}  # no Mamba, anything else
-        want = {(w, v["rank"], tier, h) for w, v in enumerate(views, 1) for tier, h in held}
-        want |= {(1, 0, "device", h) for h in gpu}  # engine 0's own blocks: its worker only
-        got = _settle(indexer, want)
     assert got == want, (f"missing {len(want - got)}, extra {len(got - want)}; log:\n"
                          + indexer.log()[-2000:])
     tiers = {tier for tier, _ in held}
@@ -167,9 +177,8 @@ def test_late_dynamo_listener_recovers_by_replay_after_20k_events(
         # Dynamo's listener asks replay when a live batch shows it missed seqs: a little
         # more traffic (other prompts) after it joined, as on any live node.
         _demo(d.control, ATTENTION, 3, seed=1)
-        held, _, _, _ = replay_state(d.ready["events_replay"])
-        want = {(7, 0, tier, h) for tier, h in held}
-        got = _settle(indexer, want)
+        got, want, _ = _settle(indexer, d.ready["events_replay"],
+                               lambda held: {(7, 0, tier, h) for tier, h in held})
     log = indexer.log()
     assert got == want, f"missing {len(want - got)}, extra {len(got - want)}:\n{log[-2000:]}"
     assert "Replay incomplete" not in log and "started_after_requested" not in log

@@ -78,6 +78,16 @@ class FakeEngine:
         self.sock.send_multipart([b"", SEQ.pack(self.seq), encode_batch(batch)])
         self.seq += 1
 
+    def marker(self) -> BlockRemoved:
+        """Publish a block's store and then its removal (no net change); returns the removal."""
+        h = self.rng.getrandbits(63)
+        self.publish([BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[1] * 4,
+                                  block_size=4, lora_id=None, medium="GPU", lora_name=None,
+                                  group_idx=0, kv_cache_spec_kind="full_attention")])
+        removal = BlockRemoved(block_hashes=[h], medium="GPU", group_idx=0)
+        self.publish([removal])
+        return removal
+
     def step(self) -> None:
         r = self.rng.random()
         if r < 0.6 or not self.resident:
@@ -149,9 +159,21 @@ def test_snapshot_plus_live_rebuilds_the_daemons_index(tmp_path: Any) -> None:
                     time.sleep(0.005)
             out, err = demo.communicate(timeout=120)
             assert demo.returncode == 0, err
-            time.sleep(0.5)  # the hub drained: nothing more is coming
-            final_resume, final = request_snapshot(d.ready["hub_replay"])
+            # The daemon reads the engine's stream in order and the hub publishes in order:
+            # once a marker sent last comes back on the hub, everything before it is in.
+            # (A fixed pause lost this race on a loaded machine.)
             got: dict[int, bytes] = {}
+            marker = engine.marker()
+            deadline = time.monotonic() + 60
+            seen = False
+            while not seen:
+                assert time.monotonic() < deadline and live.poll(10_000), "no hub marker"
+                frames = live.recv_multipart()
+                got[SEQ.unpack(frames[1])[0]] = frames[2]
+                seen = any(isinstance(ev, BlockRemoved) and ev.medium == "GPU" and
+                           ev.block_hashes == marker.block_hashes
+                           for ev in decode_batch(frames[2]).events)
+            final_resume, final = request_snapshot(d.ready["hub_replay"])
             while live.poll(300):
                 frames = live.recv_multipart()
                 got[SEQ.unpack(frames[1])[0]] = frames[2]
