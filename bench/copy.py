@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 from kvoffload.bench.copy_checks import run_expedited_latency, run_first_job, run_two_process_check
-from kvoffload.bench.copy_setup import kv_layout, pick_device, timed
+from kvoffload.bench.copy_setup import kv_layout, pick_device, pool_folder, timed
 from kvoffload.connector.copier import BlockCopier, PoolMapping
 
 __all__ = ["run_copy_bench", "run_expedited_latency", "run_first_job", "run_two_process_check"]
@@ -108,7 +108,7 @@ def _one_page(name: str, page: int, layers: int, job_bytes: int, reps: int,
     def floor_numpy_load() -> None:
         memcpy2(host.numpy(), floor_pool[0].numpy())
 
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    folder = pool_folder()
     fd, path = tempfile.mkstemp(prefix="kvoffload-bench-pool-", dir=folder)
     os.close(fd)
     num_slots = items + 8

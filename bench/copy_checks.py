@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvoffload.bench.copy_setup import kv_layout, pick_device, sync_device
+from kvoffload.bench.copy_setup import kv_layout, pick_device, pool_folder, sync_device
 from kvoffload.connector.copier import BlockCopier, KVLayout, PoolMapping
 
 
@@ -29,7 +29,7 @@ def run_expedited_latency(device: str | None = None, quick: bool = True) -> dict
     big = (64 if quick else 256) if dev.type == "cuda" else 16  # blocks in the long store
     num_blocks = big + 16
     layout, _ = kv_layout(layers, num_blocks, page, dev)
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    folder = pool_folder()
     fd, path = tempfile.mkstemp(prefix="kvoffload-bench-exp-", dir=folder)
     os.close(fd)
     os.truncate(path, (big + 8) * block)
@@ -104,7 +104,7 @@ def run_two_process_check(device: str | None = None, world: int = 2) -> dict[str
     dev = pick_device(device)
     slot_bytes, slots = world * 2 * (256 << 10), 64
     size = slot_bytes * slots
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    folder = pool_folder()
     fd, path = tempfile.mkstemp(prefix="kvoffload-bench-2p-", dir=folder)
     os.close(fd)
     os.truncate(path, size)
@@ -198,7 +198,7 @@ def run_first_job(device: str | None = None, quick: bool = True, *,
     # (pool bytes, job bytes, worker lives per case); ``sizes`` for tests.
     pool_bytes, job_bytes, lives_n = sizes or (
         ((512 << 20), 48 << 20, 3) if quick else ((2 << 30), 48 << 20, 5))
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    folder = pool_folder()
     fd, path = tempfile.mkstemp(prefix="kvoffload-bench-first-", dir=folder)
     os.close(fd)
     os.truncate(path, pool_bytes)

@@ -3,6 +3,7 @@ vLLM's layer-compact form, pseudo-random fills, cold-cache timing, device select
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -66,3 +67,16 @@ def pick_device(device: str | None) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def pool_folder(need_bytes: int = 4 << 30) -> str | None:
+    """Where the benchmarks put their pool files: ``$KVOFFLOAD_BENCH_DIR``, else /dev/shm when
+    it has room (a container's default 64 MiB /dev/shm would turn the pre-fault into a SIGBUS
+    on first copy), else the temp folder."""
+    if os.environ.get("KVOFFLOAD_BENCH_DIR"):
+        return os.environ["KVOFFLOAD_BENCH_DIR"]
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return "/dev/shm" if st.f_bavail * st.f_frsize >= need_bytes else None

@@ -77,6 +77,8 @@ git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || echo unknown > "$OUT/commi
   2>&1 | tee "$OUT/env.txt"
 "$PY" -c 'from kvoffload.connector.copy_cuda import BatchMemcpy; print("cuMemcpyBatchAsync:", BatchMemcpy.load() is not None)' \
   2>&1 | tee -a "$OUT/env.txt"
+# Pool files go to /dev/shm when it has 4 GiB free, else $TMPDIR (bench/copy_setup.pool_folder).
+df -h /dev/shm "${TMPDIR:-/tmp}" 2>&1 | tee "$OUT/df.txt"
 
 if [ "$DEVICE" = cuda ] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
   echo "CUDA is not available to $PY: the GPU tests below only skip" | tee "$OUT/NO_CUDA.txt"
