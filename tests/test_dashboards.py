@@ -112,8 +112,9 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     events = ["--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0",
               "--lookup-events", "tcp://127.0.0.1:0"]
     # A small pool, so 40 turns evict; a short lease, so abandoned work is released soon.
+    # One client fills the pool below (no_space): no per-client share (docs/security.md).
     with run_daemon(tmp_path_factory.mktemp("dash"), "--lease-ms", "2000", *events,
-                    pool_bytes=8 << 20) as d:
+                    pool_bytes=8 << 20, env={"KVOFFLOAD_CLIENT_POOL_SHARE_PCT": "100"}) as d:
         out = subprocess.run([sys.executable, "-m", "kvoffload", "demo", "--connect", d.control,
                               "--requests", "40", "--json"],
                              capture_output=True, text=True, timeout=300)

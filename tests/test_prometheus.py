@@ -88,7 +88,9 @@ def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prom]:
     tmp = tmp_path_factory.mktemp("prom")
     events = ["--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0",
               "--lookup-events", "tcp://127.0.0.1:0"]  # the event panels need publishers
-    with run_daemon(tmp, "--lease-ms", "2000", *events, pool_bytes=8 << 20) as d:
+    # One client fills the pool (no_space): no per-client share (docs/security.md).
+    with run_daemon(tmp, "--lease-ms", "2000", *events, pool_bytes=8 << 20,
+                    env={"KVOFFLOAD_CLIENT_POOL_SHARE_PCT": "100"}) as d:
         target = d.http_url.removeprefix("http://")
         conf = tmp / "prometheus.yml"
         conf.write_text(yaml.safe_dump({
