@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvoffload.connector.copy_plan import SegmentWork, Unit, copy_units, pieces, unit_views
+from kvoffload.connector.copy_plan import SegmentWork, Unit, copy_units, pieces
 
 logger = logging.getLogger("kvoffload.connector")
 
@@ -65,13 +65,29 @@ class CpuMemcpy:
 
 
 def _copy_units(work: list[SegmentWork], units: list[Unit], store: bool) -> None:
-    limit = _CHUNK_BYTES
+    """The units' copies, with as little Python per unit as possible: a 16-token block is a
+    ~6 us memcpy on this memory, and every microsecond of Python here holds the GIL that the
+    other copy threads need to start theirs (a generator over ``unit_views`` cost 15-20 % of
+    the throughput at 16-token shuffled stores)."""
     copyto = np.copyto
-    for dst, src in unit_views(work, units, store):
-        if dst.nbytes <= limit:  # the common case: one memcpy call, no generator
+    kvs = [w.kv for w in work]
+    pools = [w.pool for w in work]
+    counts = [int(w.kv.shape[1]) for w in work]
+    # A unit is at most _CHUNK_BYTES unless one region alone is larger: those get split.
+    wide = [int(w.kv.shape[2]) > _CHUNK_BYTES for w in work]
+    for i, b0, s0, n, j0, j1 in units:
+        if n == 1:
+            if j0 == 0 and j1 == counts[i]:
+                kv, pool = kvs[i][b0], pools[i][s0]
+            else:
+                kv, pool = kvs[i][b0, j0:j1], pools[i][s0, j0:j1]
+        else:
+            kv, pool = kvs[i][b0 : b0 + n], pools[i][s0 : s0 + n]
+        dst, src = (pool, kv) if store else (kv, pool)
+        if not wide[i]:
             copyto(dst, src)
         else:
-            for d, s in pieces(dst, src, limit):
+            for d, s in pieces(dst, src, _CHUNK_BYTES):
                 copyto(d, s)
 
 

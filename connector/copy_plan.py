@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
 import torch
-from kvoffload.connector.layout import KVLayout, block_runs
+from kvoffload.connector.layout import KVLayout, block_run_arrays, block_runs
 
 CopyOp = tuple[Any, Any]  # (dst, src) views of equal shape, last dim contiguous
 
@@ -95,20 +96,29 @@ Unit = tuple[int, int, int, int, int, int]  # (work index, block, slot, blocks, 
 def copy_units(work: list[SegmentWork], limit: int) -> list[Unit]:
     """The job cut into units of about ``limit`` bytes for several threads: runs of blocks
     split by whole blocks, and a block larger than ``limit`` split by layers (the segment's
-    regions). Cheap tuples: each thread makes the views of its own units."""
+    regions). Cheap tuples, built with numpy (a Python loop here cost ~0.3 ms per 48 MiB job
+    of 16-token blocks, 14 % of its copy time); each thread makes the views of its own units."""
     units: list[Unit] = []
     for i, w in enumerate(work):
+        if len(w.blocks) == 0:
+            continue
         count, width = int(w.kv.shape[1]), int(w.kv.shape[2])
         row = count * width
-        for b0, s0, n in block_runs(w.blocks, w.slots, w.by_slot):
-            if row <= limit:
-                step = max(1, limit // max(row, 1))
-                units.extend((i, b0 + k, s0 + k, min(step, n - k), 0, count)
-                             for k in range(0, n, step))
-            else:
-                per = max(1, limit // max(width, 1))
-                units.extend((i, b0 + k, s0 + k, 1, j, min(j + per, count))
-                             for k in range(n) for j in range(0, count, per))
+        b0, s0, n = block_run_arrays(w.blocks, w.slots, w.by_slot)
+        if row <= limit:
+            step = max(1, limit // max(row, 1))
+            pieces_per_run = (n + step - 1) // step
+            run = np.repeat(np.arange(len(n)), pieces_per_run)
+            first = np.repeat(np.cumsum(pieces_per_run) - pieces_per_run, pieces_per_run)
+            off = (np.arange(len(run)) - first) * step
+            size = np.minimum(step, n[run] - off)
+            units.extend(zip(repeat(i), (b0[run] + off).tolist(), (s0[run] + off).tolist(),
+                             size.tolist(), repeat(0), repeat(count)))
+        else:
+            per = max(1, limit // max(width, 1))
+            units.extend((i, b + k, s + k, 1, j, min(j + per, count))
+                         for b, s, m in zip(b0.tolist(), s0.tolist(), n.tolist(), strict=True)
+                         for k in range(m) for j in range(0, count, per))
     return units
 
 

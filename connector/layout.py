@@ -268,14 +268,23 @@ def items_for_groups(
     return [(g, int(b), int(s)) for g, b, s in zip(groups, block_ids, slots, strict=True)]
 
 
+def block_run_arrays(blocks: np.ndarray, slots: np.ndarray, by_slot: bool = False
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``block_runs`` as three int64 arrays (first blocks, first slots, lengths)."""
+    order = np.argsort(slots if by_slot else blocks, kind="stable")
+    b, s = blocks[order], slots[order]
+    breaks = np.flatnonzero((np.diff(b) != 1) | (np.diff(s) != 1)) + 1
+    starts = np.concatenate(([0], breaks)).astype(np.int64)
+    ends = np.concatenate((breaks, [len(b)])).astype(np.int64)
+    return b[starts], s[starts], ends - starts
+
+
 def block_runs(blocks: np.ndarray, slots: np.ndarray, by_slot: bool = False
                ) -> list[tuple[int, int, int]]:
     """Split items into maximal (first_block, first_slot, count) runs: consecutive block ids
     mapped to consecutive slots, which one strided view pair can cover. Runs come in block
     order, or in slot order with ``by_slot`` (the same runs: both sides are consecutive)."""
-    order = np.argsort(slots if by_slot else blocks, kind="stable")
-    b, s = blocks[order], slots[order]
-    breaks = np.flatnonzero((np.diff(b) != 1) | (np.diff(s) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(b)]))
-    return [(int(b[i]), int(s[i]), int(e - i)) for i, e in zip(starts, ends, strict=True)]
+    if len(blocks) == 0:
+        return []
+    b0, s0, n = block_run_arrays(blocks, slots, by_slot)
+    return list(zip(b0.tolist(), s0.tolist(), n.tolist(), strict=True))

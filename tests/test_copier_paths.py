@@ -390,3 +390,22 @@ def test_cpu_kv_tensors_go_onto_huge_pages(mapping: PoolMapping) -> None:
         assert _huge_kib(lo, hi) * 1024 >= copier.huge_pages.collapsed_bytes
     with BlockCopier(mapping, layout, 0, 1, SLOT, kv_huge_pages=False) as plain:
         assert plain.huge_pages is None
+
+
+@pytest.mark.parametrize("limit", [SLOT // 4, SLOT, 3 * SLOT, 1 << 20])
+def test_copy_units_cover_each_item_and_layer_once(mapping: PoolMapping, limit: int) -> None:
+    """Units (the pieces threads share) cover every (block, slot, layer) of a job exactly once,
+    each at most ``limit`` bytes when a region fits; long runs and large blocks are split."""
+    from kvoffload.connector.copy_plan import copy_units
+
+    src = layer_compact(5)
+    views = segment_views(src, mapping.slot_view(SLOT))
+    items = [(0, b, b + 2) for b in range(3, 13)] + [(0, 30, 0), (0, 20, 1)]  # a run of 10
+    work = plan_work(views, np.array(items, dtype=np.int64), by_slot=True)
+    seen = []
+    for i, b0, s0, n, j0, j1 in copy_units(work, limit):
+        w = work[i]
+        assert n * (j1 - j0) * int(w.kv.shape[2]) <= max(limit, int(w.kv.shape[2]))
+        seen += [(b0 + k, s0 + k, j) for k in range(n) for j in range(j0, j1)]
+    want = [(b, s, j) for _, b, s in items for j in range(LAYERS)]
+    assert sorted(seen) == sorted(want)
