@@ -18,13 +18,11 @@ regular loads or stores, and loads never wait behind stores:
   block): a stream-to-stream dependency, not a host sync. The copies are one
   ``cuMemcpyBatchAsync`` per job where the driver has it, else device gathers (copy_cuda.py).
   Completion and timing come from a pair of CUDA events per job.
-* CPU: the KV tensors are put on huge pages at construction (copy_cpu.KVHugePages). One
-  thread per lane, copying the views as ~1 MiB memcpy pieces (numpy views of the same
-  memory; a memcpy that releases the GIL) spread over a few helper threads of the lane. Not
-  ``Tensor.copy_``: every ``copy_`` forks and joins torch's OpenMP team, which stalls whenever
-  another process holds a core; and not torch's ``index_copy_``, which copies int8 rows element
-  by element (measured here: 2 GB/s against 20 for memcpy). ``cpu_async=False`` copies inside
-  ``submit_*`` instead (simplest to reason about in tests).
+* CPU: KV tensors onto huge pages at construction (copy_cpu.KVHugePages); one thread per
+  lane, copying ~1 MiB memcpy pieces (numpy views; a memcpy that releases the GIL) with a few
+  helper threads. Not ``Tensor.copy_`` (it forks and joins torch's OpenMP team, which stalls
+  whenever another process holds a core) nor ``index_copy_`` (int8 rows element by element:
+  2 GB/s against 20). ``cpu_async=False`` copies inside ``submit_*`` (simplest in tests).
 
 Nothing raises out of ``submit_*`` or ``get_finished`` for a job: a job that cannot be copied
 becomes ``CopyResult(ok=False)``. An impossible geometry raises ``GeometryError`` (one line) when
