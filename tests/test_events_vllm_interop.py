@@ -323,5 +323,5 @@ def test_bench_smoke() -> None:
     res = run_events_bench(quick=True, n_batches=2000, rounds=1)
     for key in ("ratio", "target", "meets", "ours_events_per_s", "vllm_events_per_s", "ratio_8"):
         assert key in res
-    assert res["target"] == 2.0 and res["ours_events_per_s"] > 0 and res["vllm_events_per_s"] > 0
+    assert res["target"] == 4.0 and res["ours_events_per_s"] > 0 and res["vllm_events_per_s"] > 0
     assert res["lost_events"] == {"ours": 0, "vllm": 0}
