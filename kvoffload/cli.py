@@ -127,6 +127,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--pool-bytes", default="64MiB", help="pool size of the embedded daemon")
     d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.add_argument("--daemon-wait", type=float, default=10.0, metavar="S",
+                   help="how long to wait for a daemon that stopped answering (default 10 s)")
     d.set_defaults(handler=_demo)
 
 
