@@ -1,4 +1,4 @@
-"""Package discovery for the wheel: every folder with an ``__init__.py`` under the four source
+"""Package discovery for the wheel: every folder with an ``__init__.py`` under the five source
 folders ships, under the ``kvoffload.*`` name its folder maps to.
 
 pyproject.toml cannot compute this (a hand-kept list missed ``kvoffload.daemon.tiers`` once),

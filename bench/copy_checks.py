@@ -1,8 +1,8 @@
-"""The copy engine's behaviour checks beyond throughput (see bench/copy.py for the suite):
+"""The copy engine's behaviour checks beyond throughput (see bench/suites/copy.py for the suite):
 expedited-load latency behind a long store, several processes on one pool, and the first job's
 latency after a worker's creation (the mapping and pre-faulting must not land on it).
 
-``python -m kvoffload.bench.copy --expedited | --processes N | --first-job``.
+``python -m kvoffload.bench.suites.copy --expedited | --processes N | --first-job``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvoffload.bench.copy_setup import kv_layout, pick_device, pool_folder, sync_device
-from kvoffload.connector.copier import BlockCopier, KVLayout, PoolMapping
+from kvoffload.bench.copy_buffers import kv_layout, pick_device, pool_folder, sync_device
+from kvoffload.connector.transfer.engine import BlockCopier, KVLayout, PoolMapping
 
 
 def run_expedited_latency(device: str | None = None, quick: bool = True) -> dict[str, Any]:
@@ -133,9 +133,9 @@ def _first_job_case(path: str, pool_bytes: int, at_creation: bool, dev: torch.de
     """One worker's life: created (at_creation: MappingTask and huge pages started then, and
     done by its first step, as vLLM's warm-up takes seconds), then ``jobs`` 48 MiB stores,
     each timed from cold caches; the first also builds the copier, as the worker does."""
-    from kvoffload.bench.copy_setup import timed
-    from kvoffload.connector.copy_cpu import KVHugePages
-    from kvoffload.connector.pool_map import MappingTask
+    from kvoffload.bench.copy_buffers import timed
+    from kvoffload.connector.transfer.cpu import KVHugePages
+    from kvoffload.connector.transfer.pool_map import MappingTask
 
     layers, page = 8, 16 << 10
     block = layers * page

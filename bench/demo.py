@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from kvoffload.bench.workload import PRESETS, Turn, block_hashes, chat_turns
 from kvoffload.connector.client import AsyncDaemonClient
-from kvoffload.daemon import protocol as p
+from kvoffload.daemon.base import Geometry, PackedHashes, make_key
 from kvoffload.daemon.config import Config, parse_size
-from kvoffload.daemon.types import Geometry, PackedHashes, make_key
+from kvoffload.daemon.control import protocol as p
 
 PREFILL_TOKENS_PER_S = 10_000  # hybrid 27B on one H200 (workloads.md time model)
 COPY_BYTES_PER_S = 50e9  # pinned host-to-device over PCIe Gen5 x16
@@ -325,7 +325,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the demo; a mistake (unknown preset, bad endpoint, no daemon) is one line, exit 2
     for a bad argument and 1 for a daemon that cannot be used."""
     from kvoffload.connector.client import DaemonUnavailable
-    from kvoffload.daemon.startup import StartFault
+    from kvoffload.daemon.preflight import StartFault
 
     from kvoffload.hints import bad_endpoint, unavailable
 

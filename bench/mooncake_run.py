@@ -28,7 +28,7 @@ from typing import Any
 
 from kvoffload.bench.sim import EmbeddedDaemon, OursEngine, Totals
 from kvoffload.bench.workload import PRESETS, Turn
-from kvoffload.daemon.cost import TailCost
+from kvoffload.daemon.lookup.cost import TailCost
 
 __all__ = ["NETWORK_BYTES_PER_S", "mooncake_unavailable", "run_shared_tier"]
 
@@ -58,7 +58,7 @@ def _master_binary() -> Path | None:
 
 def mooncake_unavailable() -> str | None:
     """Why the shared-tier run cannot happen here, or None."""
-    from kvoffload.daemon.tiers.mooncake_value import load_store_class
+    from kvoffload.daemon.tiers.mooncake.values import load_store_class
 
     try:
         load_store_class()

@@ -12,6 +12,11 @@ import statistics
 from typing import Any
 
 MET = "all sub-targets met"
+
+
+def reason_of(missed: list[str]) -> str:
+    """A suite's ``reason``: every missed sub-target with its numbers, or that all were met."""
+    return "; ".join(missed) if missed else MET
 # ">=": ours must reach the target (higher is better); "<=": must stay under it.
 DIRECTION = {"events": ">=", "copy": ">=", "sharing": ">=", "lookup": "<=", "memory": "<=",
              "load": "<=", "hybrid_chat": "<=", "engine_chat": "<="}
@@ -88,5 +93,5 @@ def aggregate_seeds(runs: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
     out["meets"] = all(r.get("meets") is True for r in results)
     missed = [f"seed {row['seed']}: {row.get('reason') or row.get('error') or 'not met'}"
               for row in seeds["per_seed"] if row["meets"] is not True]
-    out["reason"] = "; ".join(missed) if missed else MET
+    out["reason"] = reason_of(missed)
     return out

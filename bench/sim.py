@@ -1,12 +1,12 @@
 """A simulated engine over the daemon, plus the shared bits (store policy, per-variant totals,
 an embedded daemon) the suites use. NOT our plugin in vLLM: hybrid_chat's headline runs the
-plugin inside vLLM's scheduler (bench/hybrid_chat.py); this engine is its ``sim_what_if``
-(bench/chat_sim.py), since it stores what vLLM 0.33 lets no connector store (decode tokens,
+plugin inside vLLM's scheduler (bench/suites/hybrid_chat.py); this engine is its ``sim_what_if``
+(bench/what_if.py), since it stores what vLLM 0.33 lets no connector store (decode tokens,
 turn-end tails).
 
 The engine does what bench/demo.py's does, minus the bytes (slots are granted and committed,
 nothing is copied: this measures cache decisions, the demo and the copy suite verify bytes):
-one pinned ``Lookup`` per request, an optional cost-aware load decision (daemon/cost.py), the
+one pinned ``Lookup`` per request, an optional cost-aware load decision (daemon/lookup/cost.py), the
 load's pins released, then a ``PrepareStore`` of every complete chunk of every group over the
 tokens computed (prompt and reply, REQUEST_LEVEL-like: the daemon answers EXISTS for what it
 holds) plus the partial tails at the prompt's end and the turn's end, and a ``CommitStore``.
@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 
 from kvoffload.bench.workload import Turn, block_hashes
 from kvoffload.connector.client import DaemonClient
-from kvoffload.daemon import protocol as p
-from kvoffload.daemon.cost import TailCost, TimeModel
-from kvoffload.daemon.types import Geometry, make_key
+from kvoffload.daemon.base import Geometry, make_key
+from kvoffload.daemon.control import protocol as p
+from kvoffload.daemon.lookup.cost import TailCost, TimeModel
 
 T = TypeVar("T")
 
@@ -178,7 +178,7 @@ class OursEngine:
         self.totals = Totals(cost.model)
         self._n = 0
         if cost_aware:
-            # The daemon decides (daemon/cost.py, the product's own code path): register the
+            # The daemon decides (daemon/lookup/cost.py, the product's own code path): register the
             # time model with the copy rate scaled like the daemon-side bytes, so its
             # decisions on scaled slots equal the full-size ones.
             scale = geometry.groups[0].bytes_per_block / cost.geometry.groups[0].bytes_per_block
@@ -336,7 +336,7 @@ class EmbeddedDaemon:
     def _record_promotions(self) -> None:
         """Wrap the Promoter's per-block task (on this instance only) to note each key that
         ends up committed in the pool."""
-        from kvoffload.daemon.index import SlotState
+        from kvoffload.daemon.store.index import SlotState
 
         tiers, index = self.server.tiers, self.server.index
         original = tiers._promote

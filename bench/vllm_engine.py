@@ -99,6 +99,26 @@ class _EngineModelConfig(_StubModelConfig):
     runner_type = "generate"
 
 
+def kv_pages(cfg: Any, page: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """KV memory for a ``KVCacheConfig``: one int8 buffer per KVCacheTensor; per layer a
+    (num_blocks, page) view for the fake model, and vLLM's own view for register_kv_caches."""
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    pages: dict[str, torch.Tensor] = {}
+    views: dict[str, torch.Tensor] = {}
+    for kt in cfg.kv_cache_tensors:
+        buf = torch.zeros(kt.size, dtype=torch.int8)
+        spec = next(g.kv_cache_spec for g in cfg.kv_cache_groups
+                    if kt.layers[0] in g.layer_names)
+        views.update(zip(kt.layers, create_kv_cache_views(
+            buf, spec, cfg.num_blocks, KVCacheLayout.LBHNC, kt), strict=True))
+        for i, layer in enumerate(kt.layers):
+            pages[layer] = buf[i * kt.layer_stride:].as_strided(
+                (cfg.num_blocks, page), (kt.block_stride, 1))
+    return pages, views
+
+
 class MiniEngine:
     """``real_worker=False`` completes every transfer job without moving bytes (for specs
     whose worker needs CUDA, e.g. vLLM's own CPUOffloadingSpec)."""
@@ -117,9 +137,7 @@ class MiniEngine:
             FullAttentionSpec,
             KVCacheGroupSpec,
             MambaSpec,
-            create_kv_cache_views,
         )
-        from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.shape = sh = shape
@@ -144,19 +162,7 @@ class MiniEngine:
         self.num_blocks = cfg.num_blocks
         self.scheduler = Scheduler(vc, cfg, StructuredOutputManager(vc), block_size=sh.block,
                                    hash_block_size=sh.unit)
-        # One int8 buffer per KVCacheTensor; per layer a (num_blocks, PAGE) page view for the
-        # fake model and vLLM's own 4-D view for register_kv_caches.
-        self.pages: dict[str, torch.Tensor] = {}
-        views: dict[str, torch.Tensor] = {}
-        for kt in cfg.kv_cache_tensors:
-            buf = torch.zeros(kt.size, dtype=torch.int8)
-            spec = next(g.kv_cache_spec for g in cfg.kv_cache_groups
-                        if kt.layers[0] in g.layer_names)
-            views.update(zip(kt.layers, create_kv_cache_views(
-                buf, spec, cfg.num_blocks, KVCacheLayout.LBHNC, kt), strict=True))
-            for i, layer in enumerate(kt.layers):
-                self.pages[layer] = buf[i * kt.layer_stride:].as_strided(
-                    (cfg.num_blocks, sh.page), (kt.block_stride, 1))
+        self.pages, views = kv_pages(cfg, sh.page)
         self.worker: Any = None
         if real_worker:
             worker_cls: Any = OffloadingConnector

@@ -13,7 +13,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvoffload.daemon.types import Geometry, GroupKind, GroupSpec
+from kvoffload.daemon.base import Geometry, GroupKind, GroupSpec
 
 MiB = 1 << 20
 

@@ -24,9 +24,9 @@ from typing import Any, TypeVar, cast
 import msgspec
 import zmq
 import zmq.asyncio
-from kvoffload.daemon import protocol as p
-from kvoffload.daemon.security import CurveClientKeys
-from kvoffload.daemon.types import Geometry, KeyStatus
+from kvoffload.daemon.base import Geometry, KeyStatus
+from kvoffload.daemon.control import protocol as p
+from kvoffload.daemon.control.security import CurveClientKeys
 
 log = logging.getLogger("kvoffload.connector")
 

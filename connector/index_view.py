@@ -1,4 +1,4 @@
-"""The engine's read-only view of the daemon's shared index (``daemon/shared_index.py``).
+"""The engine's read-only view of the daemon's shared index (``daemon/store/shared_index.py``).
 
 ``IndexView`` maps the index file read-only and keeps, for one namespace, a local dict
 ``key -> (slot, gen)`` of READY blocks plus the set of PENDING keys. ``refresh()`` applies what
@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-from kvoffload.daemon import shared_index as si
+from kvoffload.daemon.store import shared_index as si
 
 _ENTRY_DTYPE = np.dtype([("seq", "<u4"), ("gen", "<u4"), ("ns", "<u2"), ("state", "u1"),
                          ("flags", "u1"), ("keylen", "u1"), ("pad", "V3"), ("key", "V40")])

@@ -12,7 +12,7 @@ reply overdue by more than the liveness window make the session offline for ``re
 lookups then miss, nothing is stored, and after the window it re-attaches by itself (a new
 socket and registration: whatever the old session held is released by its lease).
 
-The reader record protocol (``daemon/reclaim.py``): ``begin()`` marks the record busy with the
+The reader record protocol (``daemon/store/reclaim.py``): ``begin()`` marks the record busy with the
 epoch it is about to read past, refreshes the view, then records the epoch it applied; ``send``
 counts the message and, at the end of a step, marks the record idle.
 """
@@ -29,10 +29,10 @@ from typing import Any
 import zmq
 from kvoffload.connector.client import DaemonClient, DaemonUnavailable
 from kvoffload.connector.index_view import IndexGone, IndexView
-from kvoffload.daemon import protocol as p
-from kvoffload.daemon import shared_index as si
-from kvoffload.daemon.security import CurveClientKeys
-from kvoffload.daemon.types import Geometry
+from kvoffload.daemon.base import Geometry
+from kvoffload.daemon.control import protocol as p
+from kvoffload.daemon.control.security import CurveClientKeys
+from kvoffload.daemon.store import shared_index as si
 
 log = logging.getLogger("kvoffload.connector")
 
@@ -204,7 +204,7 @@ class IndexSession:
         out: list[p.StepReply] = []
         sock = self._sock
         # Checking the socket's events is cheaper than a receive that raises when empty.
-        while sock is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while sock is not None and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from kvoffload.daemon.policies import policy_names
+from kvoffload.daemon.store.eviction import policy_names
 
 ENV_PREFIX = "KVOFFLOAD_"
 
@@ -94,7 +94,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Read bandwidth of the disk tier, for keeping tails: with an engine time model, a tail
     # evicted from the pool goes to disk only if reading it back beats recomputing it.
     disk_read_bytes_per_s: float = 6e9
-    # Shared tier on a Mooncake Store cluster (daemon/tiers/mooncake.py, docs/tiers.md).
+    # Shared tier on a Mooncake Store cluster (daemon/tiers/mooncake/tier.py, docs/tiers.md).
     mooncake_master: str | None = None  # HOST:PORT of mooncake_master; None: tier off
     mooncake_metadata: str = ""  # metadata server URL; "": http://<master host>:8080/metadata
     mooncake_local_hostname: str = ""  # address peers reach us on; "": this host's IP

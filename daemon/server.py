@@ -21,38 +21,38 @@ from typing import Any
 import zmq
 import zmq.asyncio
 from kvoffload.daemon.config import Config
-from kvoffload.daemon.frames import ControlFrames, _salvage_rid  # noqa: F401 - re-exported
-from kvoffload.daemon.http import HttpServer
-from kvoffload.daemon.index import BlockIndex
-from kvoffload.daemon.journal import Journal
-from kvoffload.daemon.kv_events import DaemonEvents, event_options
-from kvoffload.daemon.loop_health import (
-    LoopLagMonitor,
-    ParkedLookups,
-    drain_backlog,
-    has_unread,
-)
-from kvoffload.daemon.metrics import DaemonMetrics
-from kvoffload.daemon.notify import Notifier
-from kvoffload.daemon.pool import Pool
-from kvoffload.daemon.security import (
+from kvoffload.daemon.control.frames import ControlFrames, _salvage_rid  # noqa: F401 - re-exported
+from kvoffload.daemon.control.security import (
     EVENTS_ZAP_DOMAIN,
     CurveGuard,
     curve_server_options,
     insecure_endpoint_warning,
     load_keypair,
 )
-from kvoffload.daemon.server_start import ServerStartup, StartupError
-from kvoffload.daemon.service import Service
-from kvoffload.daemon.shared_index import index_path_for, supersede
-from kvoffload.daemon.startup import (
+from kvoffload.daemon.control.service import Service
+from kvoffload.daemon.ops.http import HttpServer
+from kvoffload.daemon.ops.loop_health import (
+    LoopLagMonitor,
+    ParkedLookups,
+    drain_backlog,
+    has_unread,
+)
+from kvoffload.daemon.ops.metrics import DaemonMetrics
+from kvoffload.daemon.ops.notify import Notifier
+from kvoffload.daemon.preflight import (
     check_ipc_folders,
 )
+from kvoffload.daemon.startup import ServerStartup, StartupError
+from kvoffload.daemon.state.journal import Journal
+from kvoffload.daemon.store.index import BlockIndex
+from kvoffload.daemon.store.pool import Pool
+from kvoffload.daemon.store.shared_index import index_path_for, supersede
+from kvoffload.daemon.streams.publish import DaemonEvents, event_options
 from kvoffload.daemon.tiers import Promoter
 from kvoffload.daemon.tiers.base import Tier
-from kvoffload.daemon.tiers.disk import DiskTier
-from kvoffload.daemon.tiers.mooncake import MooncakeTier
-from kvoffload.daemon.tiers.shared_promote import SharedPromoter
+from kvoffload.daemon.tiers.disk.tier import DiskTier
+from kvoffload.daemon.tiers.mooncake.promoter import SharedPromoter
+from kvoffload.daemon.tiers.mooncake.tier import MooncakeTier
 from prometheus_client import Gauge
 
 log = logging.getLogger("kvoffload.daemon")
@@ -348,7 +348,7 @@ async def serve(config: Config, ready_file: str | None = None) -> Server:
 
 def _exit_now_if_needed(server: Server) -> None:
     """Everything is closed and flushed; only the Mooncake client's C++ teardown is left, and
-    with its master unreachable it blocks for ~20 s: skip it (daemon/tiers/mooncake.py)."""
+    with its master unreachable it blocks for ~20 s: skip it (daemon/tiers/mooncake/tier.py)."""
     if server.mooncake is not None and server.mooncake.skip_teardown:
         logging.shutdown()
         sys.stdout.flush()

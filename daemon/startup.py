@@ -1,201 +1,107 @@
-"""Checks the daemon makes before it takes any resource, each ending in one line that names
-the setting, the cause and the fix (raised as ``StartFault``; the CLI prints it and exits 1).
+"""Start-up steps of ``server.Server``: the control path's lock, warm restart from the state
+dir (or a loud cold start), the ready file.
 
-- Files and folders the daemon uses are its own: created by it (``O_EXCL``, mode 0600/0700)
-  or, when they already exist, verified (not a symlink, the right type, owned by this user,
-  not writable by others). A local user who pre-creates the pool file could otherwise read
-  and overwrite stored KV; one who pre-creates the control folder could put an impostor
-  socket in it.
-- A lock held by someone else is reported with the holder's pid (from ``/proc/locks``).
-- A pool larger than its filesystem's free space is refused before the file is sized: on
-  tmpfs the first touch of a page beyond the limit is a SIGBUS, not an error.
-- The state dir is probed (type, read-only, full) before recovery, so a bad one can make a
-  cold start with a warning instead of a traceback (``state_dir_errors``).
+A mixin of ``server.Server`` (split out to keep each module readable).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
+import fcntl
+import json
+import logging
 import os
-import pwd
-import stat
 from pathlib import Path
 
-# What a state dir needs at least to take a snapshot and some journal records.
-STATE_DIR_MIN_FREE = 1 << 20
+from kvoffload.daemon.config import Config
+from kvoffload.daemon.control.service import Service
+from kvoffload.daemon.ops.http import HttpServer
+from kvoffload.daemon.ops.metrics import DaemonMetrics
+from kvoffload.daemon.preflight import StartFault, held_by, open_owned, probe_state_dir, secure_dir
+from kvoffload.daemon.state.journal import Journal, recover_state
+from kvoffload.daemon.store.index import BlockIndex
+from kvoffload.daemon.store.pool import Pool
+from kvoffload.daemon.streams.publish import DaemonEvents
+from prometheus_client import Gauge
+
+log = logging.getLogger("kvoffload.daemon")
 
 
-class StartFault(RuntimeError):
-    """The daemon cannot start; the message is the one line the operator sees."""
+class StartupError(StartFault):
+    """The daemon cannot start (endpoint or pool in use, bad path); the message says why."""
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover - the loop always returns
+class ServerStartup:
+    # Set by Server.__init__ (declared here for the methods below).
+    config: Config
+    ready_file: str | None
+    metrics: DaemonMetrics
+    pool: Pool
+    index: BlockIndex
+    events: DaemonEvents
+    service: Service
+    http: HttpServer
+    journal: Journal | None
+    state_dir_faulty: Gauge
+    control_endpoint: str
+    _lock_fd: int | None
 
-
-def user_name(uid: int) -> str:
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def lock_holder(fd: int) -> int | None:
-    """The pid holding a lock on the file behind ``fd``, if /proc/locks names one."""
-    st = os.fstat(fd)
-    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    try:
-        lines = Path("/proc/locks").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 1234 00:2e:5678 0 EOF"; "->" marks a waiter.
-        if "->" in parts:
-            continue
-        for i, part in enumerate(parts):
-            if part == want and i > 0 and parts[i - 1].isdigit():
-                pid = int(parts[i - 1])
-                return pid if pid != os.getpid() else None
-    return None
-
-
-def held_by(fd: int) -> str:
-    pid = lock_holder(fd)
-    return f"pid {pid}" if pid is not None else "another process"
-
-
-def _check_owned(st: os.stat_result, path: Path, what: str, setting: str) -> None:
-    if st.st_uid != os.geteuid():
-        raise StartFault(f"{setting} {path}: the {what} belongs to {user_name(st.st_uid)}, not "
-                         f"to this daemon's {user_name(os.geteuid())}; another user may "
-                         f"have created it to read or replace what is in it: remove it or "
-                         f"choose another {setting}")
-
-
-def secure_dir(path: Path, setting: str) -> None:
-    """Create ``path`` (0700, parents too) or verify it: a real directory owned by us and not
-    writable by others, or a shared sticky one like /tmp owned by root or us."""
-    try:
-        path.mkdir(mode=0o700, parents=True)
-        return
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise StartFault(f"{setting}: cannot create folder {path}: {exc.strerror}; create it "
-                         "or choose another path") from None
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise StartFault(f"{setting}: {path} is a symlink; the daemon only uses a folder it "
-                         "owns: replace it with a real folder or choose another path")
-    if not stat.S_ISDIR(st.st_mode):
-        raise StartFault(f"{setting}: {path} is not a folder: remove it or choose another path")
-    sticky = bool(st.st_mode & stat.S_ISVTX)
-    if sticky and st.st_uid in (0, os.geteuid()):
-        return  # /tmp-like: others cannot remove or rename what we create in it
-    _check_owned(st, path, "folder", setting)
-    if st.st_mode & 0o022:
-        raise StartFault(f"{setting}: folder {path} is writable by other users (mode "
-                         f"{stat.S_IMODE(st.st_mode):o}), so they could replace its socket: "
-                         f"chmod 700 {path} or choose another path")
-
-
-def open_owned(path: Path, setting: str, what: str) -> tuple[int, bool]:
-    """Open (creating with O_EXCL, mode 0600) a file only this user can use; returns
-    ``(fd, created)``. An existing file must be a regular file we own; its mode is narrowed
-    to 0600."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise StartFault(f"{setting} {path}: cannot create the {what}: {exc.strerror}") from None
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise StartFault(f"{setting} {path}: the {what} is a symlink; refusing to follow "
-                             "it: remove it or choose another path") from None
-        raise StartFault(f"{setting} {path}: cannot open the {what}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise StartFault(f"{setting} {path}: the {what} is not a regular file: remove it "
-                             "or choose another path")
-        _check_owned(st, path, what, setting)
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.fchmod(fd, 0o600)  # ours, but readable by others: no one else may map it
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, False
-
-
-def check_space(fd: int, path: Path, size: int, setting: str = "pool_bytes") -> None:
-    """Refuse a file of ``size`` bytes that its filesystem cannot hold (what it already holds
-    of the file counts as available)."""
-    vfs = os.fstatvfs(fd)
-    free = vfs.f_bavail * vfs.f_frsize + os.fstat(fd).st_blocks * 512
-    if size <= free:
-        return
-    hint = ""
-    if str(path).startswith("/dev/shm/"):
-        hint = ("; /dev/shm is a tmpfs that defaults to half of RAM, and in containers often "
-                "to 64 MiB (docker --shm-size, or in Kubernetes a memory-backed emptyDir "
-                "with sizeLimit: docs/operations.md)")
-    raise StartFault(f"{setting} {human(size)} does not fit the filesystem of {path} "
-                     f"({human(free)} free): lower --pool-bytes or make room{hint}")
-
-
-def probe_state_dir(path: Path) -> str | None:
-    """Why ``path`` cannot hold state, or None. Creates the folder when it is missing."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+    def _lock_ipc(self) -> None:
+        """ZMQ silently takes over an ipc path in use; a lock file makes a 2nd start fail.
+        The folder and the lock file are the daemon's own (startup.py says why)."""
+        if not self.config.control.startswith("ipc://"):
+            return
+        path = Path(self.config.control[len("ipc://"):])
+        secure_dir(path.parent, "control")
+        fd, _ = open_owned(Path(f"{path}.lock"), "control", "control lock file")
         try:
-            path.mkdir(mode=0o700, parents=True)
-        except OSError as exc:
-            return f"cannot create it: {exc.strerror}"
-        st = os.lstat(path)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    if stat.S_ISLNK(st.st_mode) and not path.is_dir():
-        return "it is a dangling symlink"
-    if not path.is_dir():
-        return "it is not a folder"
-    vfs = os.statvfs(path)
-    if vfs.f_flag & os.ST_RDONLY:
-        return "its filesystem is read-only"
-    if vfs.f_bavail * vfs.f_frsize < STATE_DIR_MIN_FREE:
-        return f"its filesystem is full ({human(vfs.f_bavail * vfs.f_frsize)} free)"
-    probe = path / f".probe-{os.getpid()}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, b"\0" * 4096)
-            os.fsync(fd)
-        finally:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = held_by(fd)
             os.close(fd)
-    except OSError as exc:
-        return f"cannot write in it: {exc.strerror}"
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
-    return None
+            raise StartupError(f"control {self.config.control} is in use by {holder} (another "
+                               "kvoffload daemon): stop it or choose another --control") from None
+        self._lock_fd = fd
 
+    def _recover(self, state_dir: Path) -> None:
+        """Warm restart from the state dir, or a cold start when it cannot be used
+        (``state_dir_errors = "cold"``, the default) or one line (``"refuse"``)."""
+        why = probe_state_dir(state_dir)
+        if why is None:
+            try:
+                self.journal = recover_state(state_dir, self.index, self.metrics.registry,
+                                             self.config.slot_bytes, self.service._block_added)
+            except OSError as exc:  # after the probe passed: the disk failed meanwhile
+                raise StartupError(f"state_dir {state_dir}: recovery failed: "
+                                   f"{exc.strerror or exc}; fix the folder or start without "
+                                   "--state-dir") from None
+            for ns in self.index.namespaces:  # re-announced once their payload is known
+                for key, slot in ns.keys.items():
+                    self.events.recovered(ns, key, slot, bool(self.index.tail[slot]))
+            return
+        if self.config.state_dir_errors == "refuse":
+            raise StartupError(f"state_dir {state_dir}: {why}; fix it, or set "
+                               "state_dir_errors = \"cold\" to start without warm restart")
+        self.state_dir_faulty.set(1)
+        log.warning("STATE DIR UNUSABLE: state_dir %s: %s. Starting COLD: nothing is recovered "
+                    "and nothing is journaled until it is fixed and the daemon restarted "
+                    "(state_dir_errors = \"refuse\" stops the start instead)", state_dir, why)
 
-def check_ipc_folders(endpoints: dict[str, str | None]) -> None:
-    """Each ipc:// endpoint's folder must exist: ZMQ's own error names no setting."""
-    for setting, ep in endpoints.items():
-        if not ep or not ep.startswith("ipc://") or setting == "control":
-            continue  # the control folder the daemon creates and secures itself
-        folder = Path(ep[len("ipc://"):]).parent
-        if not folder.is_dir():
-            raise StartFault(f"--{setting.replace('_', '-')} {ep}: folder {folder} does not "
-                             "exist: create it or choose an endpoint in an existing folder")
+    def _write_ready_file(self) -> None:
+        """Written whole, then renamed: a watcher never reads a half-written file."""
+        assert self.ready_file is not None
+        tmp = Path(f"{self.ready_file}.tmp")
+        tmp.write_text(json.dumps({
+                "pid": os.getpid(), "control": self.control_endpoint, "http": self.http.url,
+                "pool_path": str(self.pool.path),
+                "events": self.events.kv.bound_endpoint if self.events.kv else None,
+                "events_replay": (self.events.kv.bound_replay_endpoint
+                                  if self.events.kv else None),
+                "lookup_events": (self.events.lookups.bound_endpoint
+                                  if self.events.lookups else None),
+                "hub": self.events.hub.bound_endpoint if self.events.hub else None,
+                "hub_replay": (self.events.hub.bound_replay_endpoint
+                               if self.events.hub else None),
+                "engine_views": [{"rank": v.spec.rank, "events": v.pub.bound_endpoint,
+                                  "replay": v.pub.bound_replay_endpoint}
+                                 for v in self.events.views]}))
+        tmp.replace(self.ready_file)

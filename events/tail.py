@@ -9,8 +9,7 @@ batch is a msgpack array, a lookup batch a map. Their JSON lines are `seq`, `ts`
 `schema_version`, `type` ("LookupEvent"), then the event's fields. `--lookup` accepts only
 lookup batches (anything else is skipped as malformed).
 
-The main CLI wires this in with `add_events_parser(subparsers)` and calls `args.handler(args)`;
-`python -m kvoffload.events.tail [events tail] --endpoint ...` works on its own too.
+The command line (``kvoffload/cli/events.py``) parses and calls ``run_tail``.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from .schema import (
 )
 from .subscriber import Gap, LookupEventSubscriber, Received, Reset, _Subscriber
 
-__all__ = ["add_events_parser", "format_event", "format_lookup_event", "main", "run_tail",
+__all__ = ["format_event", "format_lookup_event", "run_tail",
            "tail"]
 
 _json = msgspec.json.Encoder()
@@ -181,40 +180,3 @@ def run_tail(args: argparse.Namespace) -> int:
         with contextlib.suppress(OSError):
             sys.stdout = open("/dev/null", "w")  # noqa: SIM115
         return 0
-
-
-def add_events_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `events` (with its `tail` subcommand) on the main CLI's subparsers."""
-    events = subparsers.add_parser("events", help="KV-event stream tools")
-    commands = events.add_subparsers(dest="events_command", metavar="COMMAND", required=True)
-    p = commands.add_parser("tail", help="print a KV-event stream, one line per event")
-    p.add_argument("--endpoint", required=True, help="PUB endpoint, e.g. tcp://127.0.0.1:5557")
-    p.add_argument("--replay", default=None, help="replay (ROUTER) endpoint, e.g. ...:5558")
-    p.add_argument(
-        "--from-seq",
-        type=int,
-        default=None,
-        help="start at this seq (fetched by replay when --replay is given)",
-    )
-    p.add_argument("--topic", default="", help="topic prefix to subscribe to (default all)")
-    p.add_argument("--json", action="store_true", help="one JSON object per event per line")
-    p.add_argument("--lookup", action="store_true",
-                   help="a lookup-event stream (default: recognised per batch)")
-    p.add_argument("--count", type=int, default=None, help="exit 0 after N events")
-    p.set_defaults(handler=run_tail)
-    return events
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: accepts `events tail ...` or just the tail options."""
-    args_in = list(sys.argv[1:] if argv is None else argv)
-    if args_in[:1] != ["events"]:
-        args_in = ["events", "tail", *args_in]
-    parser = argparse.ArgumentParser(prog="kvoffload")
-    add_events_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(args_in)
-    return int(args.handler(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from kvoffload.daemon.security import ENV_CLIENT_KEY, ENV_SERVER_PUBLIC_KEY
+from kvoffload.daemon.control.security import ENV_CLIENT_KEY, ENV_SERVER_PUBLIC_KEY
 
 SCHEMES = ("ipc://", "tcp://")
 

@@ -8,7 +8,7 @@
 #   OUT=/some/dir bash scripts/gpu_check.sh     # PYTHON=... to pick the interpreter
 #   DEVICE=cpu QUICK=1 bash scripts/gpu_check.sh   # dry run of every step on a CPU box
 # Steps (a failed step does not stop the others):
-#   gpu_tests           tests/test_copier_cuda.py: every copy backend (batch, index, rows),
+#   gpu_tests           tests/connector/transfer/test_cuda.py: every copy backend (batch, index, rows),
 #                       pinned and pageable, the expedited stream behind a held-up store stream
 #   bench_pinned_*      copy bench, pinned pool: batched (cuMemcpyBatchAsync) / device
 #                       gathers / per-row, against pinned cudaMemcpy (target 0.9)
@@ -75,7 +75,7 @@ git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || echo unknown > "$OUT/commi
 { nvidia-smi 2>&1 || true; } > "$OUT/nvidia-smi.txt"
 "$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' \
   2>&1 | tee "$OUT/env.txt"
-"$PY" -c 'from kvoffload.connector.copy_cuda import BatchMemcpy; print("cuMemcpyBatchAsync:", BatchMemcpy.load() is not None)' \
+"$PY" -c 'from kvoffload.connector.transfer.cuda import BatchMemcpy; print("cuMemcpyBatchAsync:", BatchMemcpy.load() is not None)' \
   2>&1 | tee -a "$OUT/env.txt"
 # Pool files go to /dev/shm when it has 4 GiB free, else $TMPDIR (bench/copy_setup.pool_folder).
 df -h /dev/shm "${TMPDIR:-/tmp}" 2>&1 | tee "$OUT/df.txt"
@@ -88,12 +88,12 @@ fi
 if "$PY" -c 'import pytest' 2>/dev/null; then
   # --noconftest and -o addopts=: other tests' fixtures and plugins need packages this box lacks.
   step gpu_tests 100 "$PY" -m pytest -p no:cacheprovider --noconftest -o addopts= -m gpu -v -rs \
-    tests/test_copier_cuda.py
+    tests/connector/transfer/test_cuda.py
 else
-  step gpu_tests 100 "$PY" tests/test_copier_cuda.py
+  step gpu_tests 100 "$PY" tests/connector/transfer/test_cuda.py
 fi
 
-bench=("$PY" -m kvoffload.bench.copy --device "$DEVICE")
+bench=("$PY" -m kvoffload.bench.suites.copy --device "$DEVICE")
 step bench_pinned_batch 60 "${bench[@]}" $SIZE --no-first-job --backend auto
 step bench_pinned_index 50 "${bench[@]}" $SIZE --no-first-job --backend index
 step bench_pinned_rows 50 "${bench[@]}" $SIZE --no-first-job --backend rows
@@ -140,7 +140,7 @@ for name in steps:
 
 env = results["env"].replace("\n", "; ")
 md = [f"GPU checks, {results['date']} (commit {results['commit'][:10]}): {env}", "",
-      f"tests/test_copier_cuda.py: rc={results['gpu_tests']['rc']}, "
+      f"tests/connector/transfer/test_cuda.py: rc={results['gpu_tests']['rc']}, "
       f"`{results['gpu_tests']['last']}`", ""]
 cols = ("contiguous store", "contiguous load", "shuffled store", "shuffled load")
 for name in ("bench_pinned_batch", "bench_pinned_index", "bench_pinned_rows", "bench_pageable"):

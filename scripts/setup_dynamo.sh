@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv-dynamo: NVIDIA Dynamo's runtime wheel (ai-dynamo-runtime, ~75 MB) with its
 # standalone KV indexer (`python -m dynamo.indexer`), which the router tests run against the
-# daemon (tests/test_dynamo_indexer.py, docs/routers.md). A separate venv because the wheel
+# daemon (tests/events/test_dynamo_indexer.py, docs/routers.md). A separate venv because the wheel
 # pins pydantic<=2.13.5, which conflicts with vLLM's. Idempotent; a few seconds when the wheel
 # is cached. KVOFFLOAD_SKIP_DYNAMO=1 skips it (those tests then skip with that reason).
 set -euo pipefail

@@ -26,7 +26,7 @@ pip install "$work"/dist/kvoffload-*.whl
 bin=$work/venv/bin
 # Run from an empty folder: the source tree must not be importable.
 cd "$work"
-"$bin/python" -c 'import kvoffload.daemon.tiers, kvoffload.daemon.policies, sys
+"$bin/python" -c 'import kvoffload.daemon.tiers, kvoffload.daemon.store.eviction, sys
 assert "/venv/" in kvoffload.daemon.tiers.__file__, kvoffload.daemon.tiers.__file__'
 ctl="ipc://$work/control.sock"
 "$bin/kvoffload" serve --control "$ctl" --http 127.0.0.1:0 --pool-path "$pool" \

@@ -1,7 +1,7 @@
 """One TP rank of an engine, in its own process: vLLM 0.33's WORKER-role OffloadingConnector
 with our spec loaded, over CPU KV tensors, storing and loading its page of every pool slot.
 
-Run by tests/test_copier_multiproc.py through ``multiprocessing`` (spawn). What each rank
+Run by tests/connector/transfer/test_multiproc.py through ``multiprocessing`` (spawn). What each rank
 reports is computed from vLLM's own per-layer views, never from our layout code.
 """
 

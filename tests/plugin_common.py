@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from kvoffload.connector.client import DaemonClient  # noqa: E402
-from kvoffload.daemon import protocol as p  # noqa: E402
-from kvoffload.daemon.types import Geometry, make_key  # noqa: E402
+from kvoffload.daemon.base import Geometry, make_key  # noqa: E402
+from kvoffload.daemon.control import protocol as p  # noqa: E402
 
 
 def plugin_config(control: str, **extra: Any) -> dict[str, Any]:

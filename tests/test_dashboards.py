@@ -25,9 +25,9 @@ import yaml
 import zmq
 from kvoffload.bench.workload import PRESETS
 from kvoffload.connector.client import DaemonClient
-from kvoffload.daemon import protocol as p
+from kvoffload.daemon.base import make_key
 from kvoffload.daemon.config import Config, load_config
-from kvoffload.daemon.types import make_key
+from kvoffload.daemon.control import protocol as p
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.daemon_helpers import run_daemon

@@ -4,7 +4,7 @@ Reusable by any test that needs vLLM's own scheduler logic (lookups, loads, stor
 of an offloading spec of ours. Everything imports vLLM lazily, so a test module can import
 this file on a machine without vLLM and skip cleanly:
 
-    from vllm_harness import require_vllm, build_scheduler_connector, make_request
+    from tests.vllm_harness import require_vllm, build_scheduler_connector, make_request
 
     def test_something():
         require_vllm()  # pytest.skip with the import error when vLLM is missing

@@ -39,10 +39,10 @@ class KVOffloadConnector(OffloadingConnector):  # type: ignore[misc]
             CURRENT.reset(token)
         self._handover = box
         kvt = getattr(vllm_config, "kv_transfer_config", None)
-        if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
+        policy = getattr(kvt, "kv_load_failure_policy", "recompute")
+        if policy != "recompute":
             log.warning("kvoffload: kv_load_failure_policy is %r: a load that lost its block "
-                        "fails its request; set it to 'recompute' to recompute instead",
-                        kvt.kv_load_failure_policy)
+                        "fails its request; set it to 'recompute' to recompute instead", policy)
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from kvoffload.daemon.types import Geometry, GroupKind, GroupSpec
+from kvoffload.daemon.base import Geometry, GroupKind, GroupSpec
 
 
 def _group_spec(group: Any, kv_cache_config: Any, config: Any) -> GroupSpec:

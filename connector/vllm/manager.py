@@ -11,7 +11,7 @@ own manager. No message is sent on the lookup path:
   ``Step`` message without waiting: the pins of this step's loads, releases of finished loads,
   store claims, lower-tier finds, per-request lookup reports, a reservation refill;
 * ``prepare_load`` hands the workers each key's (slot, generation) as read; the daemon pins
-  them on arrival, and epoch-based reclamation (``daemon/reclaim.py``) keeps a slot's bytes
+  them on arrival, and epoch-based reclamation (``daemon/store/reclaim.py``) keeps a slot's bytes
   until then. A slot that went to another writer fails its generation check in the worker, and
   the load is reported (never used);
 * ``prepare_store`` takes slots from a reservation the daemon granted in advance, so it never
@@ -34,8 +34,8 @@ from kvoffload.connector.session import IndexSession
 from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
 from kvoffload.connector.vllm.requests import RequestInfo, store_item
 from kvoffload.connector.vllm.settings import ManagerSettings
-from kvoffload.daemon import protocol as p
-from kvoffload.daemon.types import Geometry, key_group
+from kvoffload.daemon.base import Geometry, key_group
+from kvoffload.daemon.control import protocol as p
 from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
     LoadStoreSpec,
     LookupResult,

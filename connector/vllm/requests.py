@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.daemon import protocol as p
+from kvoffload.daemon.control import protocol as p
 
 
 @dataclass
@@ -46,5 +46,6 @@ class RequestInfo:
 def store_item(key: bytes, end: int | None, block: int, tokens_per_hash: int,
                info: RequestInfo | None) -> p.StoreItem:
     if info is None or not end:
-        return p.StoreItem(key=key, end_token=end or 0, tail=bool(end) and end % block != 0)
+        end_token = end or 0
+        return p.StoreItem(key=key, end_token=end_token, tail=end_token % block != 0)
     return info.store_item(key, end, block, tokens_per_hash)

@@ -22,7 +22,7 @@ from kvoffload.connector.vllm.settings import (
     check_vllm_version,
     manager_settings,
 )
-from kvoffload.daemon.security import CurveClientKeys
+from kvoffload.daemon.control.security import CurveClientKeys
 from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
     CanonicalKVCaches,
     OffloadingManager,

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 
-from kvoffload.connector.copier import (
+from kvoffload.connector.index_view import IndexGone, SlotGenerations
+from kvoffload.connector.transfer.cpu import KVHugePages
+from kvoffload.connector.transfer.engine import (
     BlockCopier,
     CopyResult,
     GeometryError,
@@ -29,9 +31,7 @@ from kvoffload.connector.copier import (
     items_for_groups,
     layout_from_canonical,
 )
-from kvoffload.connector.copy_cpu import KVHugePages
-from kvoffload.connector.index_view import IndexGone, SlotGenerations
-from kvoffload.connector.pool_map import PoolMapping
+from kvoffload.connector.transfer.pool_map import PoolMapping
 from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
 from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
     CanonicalKVCaches,

@@ -12,7 +12,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.daemon.index import Namespace
+from kvoffload.daemon.store.index import Namespace
 
 
 @dataclass(slots=True)

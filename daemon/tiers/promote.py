@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvoffload.daemon.cost import TailCost, TimeModel
-from kvoffload.daemon.index import BlockIndex, Namespace, SlotState
-from kvoffload.daemon.metrics import DaemonMetrics
+from kvoffload.daemon.base import KeyStatus
+from kvoffload.daemon.lookup.cost import TailCost, TimeModel
+from kvoffload.daemon.ops.metrics import DaemonMetrics
+from kvoffload.daemon.store.index import BlockIndex, Namespace, SlotState
 from kvoffload.daemon.tiers.base import BlockMeta, Tier
-from kvoffload.daemon.types import KeyStatus
 
 log = logging.getLogger("kvoffload.daemon")
 

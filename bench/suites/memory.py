@@ -1,0 +1,183 @@
+"""memory suite: what the daemon's index costs per stored block, and the daemon's RSS.
+
+* Index bytes per block: tracemalloc around ``BlockIndex`` prepare + commit of N keys, as
+  tests/daemon/store/test_index.py does (keys are counted too: the index keeps them alive).
+* Daemon RSS without the pool: a ``kvoffload serve`` subprocess (64-byte slots, so the pool
+  is small) filled through its control socket with PrepareStore / CommitStore of 10k keys per
+  message; RSS is /proc/PID/status ``RssAnon`` (the pool's shared pages are ``RssShmem``).
+
+Targets: 256 B per block, 300 MB RSS at 1M blocks. ``ratio`` = bytes per block at the largest
+size / 256 (target 1.0, lower is better); ``meets`` also needs the RSS target (in --quick,
+which stops at 100k blocks, the 1M RSS is extrapolated linearly and says so).
+Run alone: ``python -m kvoffload.bench.suites.memory [--full]``.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvoffload.bench.proc import daemon_process
+from kvoffload.bench.workload import PRESETS
+from kvoffload.connector.client import DaemonClient
+from kvoffload.daemon.base import Geometry
+from kvoffload.daemon.control import protocol as p
+
+__all__ = ["run_memory_bench", "index_bytes_per_block", "daemon_rss"]
+
+BYTES_PER_BLOCK_TARGET = 256
+RSS_TARGET_BYTES = 300 * 10**6
+RSS_TARGET_BLOCKS = 1_000_000
+ENGINES = 4  # clients filling the daemon in turn
+BATCH = 10_000
+SLOT = 64
+
+
+def _keys(n: int, seed: int, groups: int = 4) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(32) + (i % groups).to_bytes(4, "big") for i in range(n)]
+
+
+def index_bytes_per_block(n: int, policy: str = "lru") -> float:
+    """Python heap bytes per stored block of a fresh ``BlockIndex`` holding ``n`` ready keys."""
+    from kvoffload.daemon.store.index import BlockIndex
+    from kvoffload.daemon.store.pool import Pool
+
+    geometry = PRESETS["qwen3.6-27b-tp1"].geometry(1e-9)
+    with tempfile.TemporaryDirectory(prefix="kvo-bench-mem-") as tmp:
+        pool = Pool(str(Path(tmp) / "pool"), SLOT * n, prefault=False)
+        pool.open()
+        try:
+            index = BlockIndex(pool, policy)
+            keys = _keys(n, seed=n)  # as they arrive from the wire, before the index
+            gc.collect()
+            tracemalloc.start()
+            try:
+                base = tracemalloc.get_traced_memory()[0]
+                index.configure(SLOT)
+                ns = index.namespace(geometry)
+                for k in keys:
+                    index.prepare(ns, k, 16, False)
+                    index.commit(ns, k)
+                gc.collect()
+                used = tracemalloc.get_traced_memory()[0] - base
+            finally:
+                tracemalloc.stop()
+            # The keys' own bytes objects stay alive through the index: count them too.
+            return (used + sum(len(k) + 33 for k in keys)) / n
+        finally:
+            pool.close(remove=True)
+
+
+def _rss_anon(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc status (not Linux?)")
+
+
+def daemon_rss(sizes: Sequence[int], progress: Callable[[str], None] | None = None
+               ) -> dict[str, Any]:
+    """RssAnon of a ``kvoffload serve`` subprocess registered and empty, then holding each of
+    ``sizes`` blocks (ascending), filled through the control socket."""
+    say = progress or (lambda _msg: None)
+    geometry: Geometry = PRESETS["qwen3.6-27b-tp1"].geometry(1e-9)
+    top = max(sizes)
+    clients: list[DaemonClient] = []
+    with daemon_process("--lease-ms", "600000", pool_bytes=SLOT * (top + 16),
+                        slot_bytes=SLOT) as (proc, info):
+        try:
+            # Several engines fill it, as on a node: the daemon caps what one client may
+            # hold (client_pool_share_pct, 50 % by default).
+            for i in range(ENGINES):
+                clients.append(DaemonClient(info["control"], timeout_ms=120_000,
+                                            name=f"bench memory {i}"))
+                clients[-1].register(geometry)
+            rss = {"0": _rss_anon(proc.pid)}
+            keys = _keys(top, seed=3)
+            # A client's pending stores count against its share: batches well under it.
+            step = max(1, min(BATCH, (top + 16) // (2 * ENGINES)))
+            done = 0
+            t0 = time.perf_counter()
+            for size in sorted(sizes):
+                say(f"daemon RSS at {size:,} blocks")
+                while done < size:
+                    batch = keys[done:min(size, done + step)]
+                    client = clients[done // step % ENGINES]
+                    grant = client.prepare_store([p.StoreItem(key=k, end_token=16) for k in batch])
+                    assert all(o == p.StoreOutcome.GRANTED for o in grant.outcomes), (
+                        done, sorted({str(o) for o in grant.outcomes}))
+                    client.commit_store(batch)
+                    done += len(batch)
+                rss[str(size)] = _rss_anon(proc.pid)
+            stats = clients[0].stats()
+            return {"rss_anon_bytes": rss, "ready_blocks": stats["ready"],
+                    "fill_seconds": round(time.perf_counter() - t0, 2),
+                    "fill_batch": BATCH}
+        finally:
+            for client in clients:
+                client.close()
+
+
+def run_memory_bench(quick: bool = True, *, sizes: Sequence[int] | None = None,
+                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    say = progress or (lambda _msg: None)
+    sizes = sorted(sizes or ((1_000, 100_000) if quick else (1_000, 100_000, 1_000_000)))
+    per_block: dict[str, float] = {}
+    for n in sizes:
+        say(f"index bytes per block at {n:,}")
+        per_block[str(n)] = round(index_bytes_per_block(n), 1)
+    rss = daemon_rss(sizes, progress)
+    anon = rss["rss_anon_bytes"]
+    top = max(sizes)
+    out: dict[str, Any] = {
+        "ratio": round(per_block[str(top)] / BYTES_PER_BLOCK_TARGET, 3), "target": 1.0,
+        "ratio_means": f"index bytes per block at {top:,} blocks / {BYTES_PER_BLOCK_TARGET} B",
+        "index_bytes_per_block": per_block, "sizes": list(sizes), **rss,
+        "rss_target_bytes": RSS_TARGET_BYTES,
+    }
+    if top >= RSS_TARGET_BLOCKS:
+        at_target = anon[str(RSS_TARGET_BLOCKS)]
+        out["rss_at_1m_bytes"] = at_target
+        out["rss_at_1m_note"] = "measured"
+    else:
+        # Linear in blocks above the smallest size: the slope from the smallest to the largest.
+        lo, hi = min(sizes), top
+        slope = (anon[str(hi)] - anon[str(lo)]) / (hi - lo)
+        at_target = int(anon[str(hi)] + slope * (RSS_TARGET_BLOCKS - hi))
+        out["rss_at_1m_bytes"] = at_target
+        out["rss_at_1m_note"] = f"extrapolated linearly from {lo:,}..{hi:,} blocks (--quick)"
+    out["rss_bytes_per_block"] = round((anon[str(top)] - anon["0"]) / top, 1)
+    out["rss_meets"] = at_target <= RSS_TARGET_BYTES
+    out["meets"] = out["ratio"] <= 1.0 and out["rss_meets"]
+    out["reason"] = memory_reason(out)
+    return out
+
+
+def memory_reason(out: dict[str, Any]) -> str:
+    """Which of the two memory targets missed, and by how much."""
+    missed = []
+    top = max(out["sizes"])
+    if out["ratio"] > 1.0:
+        missed.append(f"index {out['index_bytes_per_block'][str(top)]:.0f} B/block at {top:,} "
+                      f"blocks vs {BYTES_PER_BLOCK_TARGET} B target "
+                      f"({(out['ratio'] - 1) * 100:.1f} % over)")
+    at = out["rss_at_1m_bytes"]
+    if at > RSS_TARGET_BYTES:
+        how = "measured" if top >= RSS_TARGET_BLOCKS else "extrapolated"
+        missed.append(f"daemon RSS at {RSS_TARGET_BLOCKS:,} blocks {how} {at / 1e6:.0f} MB vs "
+                      f"{RSS_TARGET_BYTES / 1e6:.0f} MB target "
+                      f"({(at / RSS_TARGET_BYTES - 1) * 100:.1f} % over)")
+    return "; ".join(missed) if missed else "all sub-targets met"
+
+
+if __name__ == "__main__":
+    from kvoffload.bench.runner import suite_main
+
+    suite_main(run_memory_bench)

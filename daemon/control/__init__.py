@@ -1,0 +1,1 @@
+"""The control socket: its messages, the handlers behind them, clients' leases, authentication."""

@@ -1,0 +1,169 @@
+"""The control socket's frames: decode, answer, reply, in bounded turns.
+
+A mixin of ``server.Server`` (split out to keep each module readable). Every frame a client
+sends gets exactly one typed answer; nothing a client sends raises out of here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from kvoffload.daemon.config import Config
+from kvoffload.daemon.control import protocol as p
+from kvoffload.daemon.control.errors import RequestError
+from kvoffload.daemon.control.service import Service
+from kvoffload.daemon.ops.loop_health import TURN_FRAMES, TURN_SECONDS, ParkedLookups
+from kvoffload.daemon.ops.metrics import DaemonMetrics
+
+log = logging.getLogger("kvoffload.daemon")
+
+
+class _RidOnly(msgspec.Struct):
+    rid: int = 0
+
+
+_rid_decoder = msgspec.msgpack.Decoder(_RidOnly)
+
+
+def _salvage_rid(payload: bytes) -> int:
+    """The rid of an otherwise invalid request, so the client can match the error to it."""
+    try:
+        return _rid_decoder.decode(payload).rid
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return 0
+
+
+def _peer_of(frame: zmq.Frame) -> str:
+    """A CURVE client's key (ZAP's User-Id), else the tcp peer's address."""
+    for prop in ("User-Id", "Peer-Address"):
+        try:
+            value = frame.get(prop)
+        except zmq.ZMQError:
+            continue
+        if value:
+            return f"{prop}:{value}"
+    return ""
+
+
+class ControlFrames:
+    # Set by Server.__init__ (declared here for the methods below).
+    config: Config
+    metrics: DaemonMetrics
+    service: Service
+    parked: ParkedLookups
+    _sock: zmq.asyncio.Socket | None
+    _tasks: set[asyncio.Task[Any]]
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- serve ------------------------------------------------------------------------
+
+    async def _reply(self, identity: bytes, reply: p._Msg) -> None:
+        if isinstance(reply, p.Error):
+            self.metrics.protocol_errors.labels(reply.code.value).inc()
+        assert self._sock is not None
+        try:
+            await self._sock.send_multipart([identity, p.encoder.encode(reply)])
+        except zmq.ZMQError as exc:  # peer gone: nothing to answer
+            log.debug("reply to a departed client dropped: %s", exc)
+
+    async def _finish(self, identity: bytes, rid: int, pending: Any) -> None:
+        try:
+            reply = await pending
+        except RequestError as exc:
+            reply = p.Error(rid=rid, code=exc.code, message=exc.message)
+        except Exception:
+            log.exception("internal error while answering request %d", rid)
+            reply = p.Error(rid=rid, code=p.ErrorCode.INTERNAL, message="internal error")
+        await self._reply(identity, reply)
+
+    def _client_alive(self, client: Any) -> bool:
+        return self.service.leases.clients.get(client.identity) is client
+
+    def _refuse(self, reason: str, rid: int, code: p.ErrorCode, message: str) -> p.Error:
+        self.metrics.refused.labels(reason).inc()
+        return p.Error(rid=rid, code=code, message=message)
+
+    def answer(self, identity: bytes, payload: bytes, peer: str = "") -> p._Msg | Any:
+        """Decode and handle one frame; never raises for anything a client can send."""
+        if len(payload) > self.config.max_message_bytes:  # checked before any decoding
+            return self._refuse("frame_too_large", _salvage_rid(payload), p.ErrorCode.TOO_LARGE,
+                                f"message of {len(payload)} bytes; the limit is "
+                                f"{self.config.max_message_bytes}")
+        try:
+            msg = p.request_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return p.Error(rid=_salvage_rid(payload), code=p.ErrorCode.MALFORMED, message=str(exc))
+        except RecursionError:  # msgspec bounds nesting by the interpreter's recursion limit
+            return self._refuse("nesting", _salvage_rid(payload), p.ErrorCode.MALFORMED,
+                                "msgpack nested too deeply")
+        if isinstance(msg, p.Lookup) and msg.wait_ms > 0 and self.parked.full(identity):
+            return self._refuse("parked_lookups", msg.rid, p.ErrorCode.TOO_LARGE,
+                                f"{self.parked.limit} lookups of this client are parked "
+                                "already")
+        try:
+            out = self.service.handle(identity, msg, peer)
+            if isinstance(msg, p.Bye):  # gone now: its parked lookups answer nobody
+                self.parked.cancel_departed(self.service.leases.clients)
+            return out
+        except RequestError as exc:
+            return p.Error(rid=msg.rid, code=exc.code, message=exc.message)
+        except Exception:
+            log.exception("internal error while handling %s", type(msg).__name__)
+            return p.Error(rid=msg.rid, code=p.ErrorCode.INTERNAL, message="internal error")
+
+    async def _serve_frames(self, frames: list[Any]) -> None:
+        peer = ""
+        if frames and isinstance(frames[-1], zmq.Frame):  # tcp: who sent it, for per-peer caps
+            peer = _peer_of(frames[-1])
+            frames = [f.bytes for f in frames]
+        if len(frames) != 2:
+            if len(frames) > 2:  # _reply counts the error
+                await self._reply(frames[0], p.Error(
+                    rid=0, code=p.ErrorCode.MALFORMED,
+                    message="a request is exactly one msgpack frame"))
+            return
+        identity, payload = frames
+        try:
+            out = self.answer(identity, payload, peer)
+            if isinstance(out, p._Msg):
+                await self._reply(identity, out)
+            else:
+                self.parked.add(identity, self._spawn(
+                    self._finish(identity, _salvage_rid(payload), out)))
+        except Exception:  # whatever one frame does, the receive loop must go on
+            log.exception("unexpected error while serving one frame; continuing")
+
+    async def _serve_control(self) -> None:
+        """Bounded turns: at most TURN_FRAMES frames or TURN_SECONDS, then yield.
+
+        Awaiting a ready zmq future does not yield to the loop, so without the turn a flood
+        would starve timers, /healthz and parked lookups. ROUTER fair-queues its peers, so
+        within a turn every client with frames waiting gets its share."""
+        sock = self._sock
+        assert sock is not None
+        clock = asyncio.get_running_loop().time
+        # On tcp the frames' metadata names the peer (identities per peer); ipc peers are all
+        # the daemon's own user, and bytes are cheaper to receive.
+        copy = self.config.control.startswith("ipc://")
+        while True:
+            await self._serve_frames(await sock.recv_multipart(copy=copy))
+            end = clock() + TURN_SECONDS
+            for _ in range(TURN_FRAMES - 1):
+                if clock() >= end:
+                    break
+                try:
+                    frames = await sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+                except zmq.Again:
+                    break
+                await self._serve_frames(frames)
+            await asyncio.sleep(0)

@@ -1,0 +1,1 @@
+"""Answering lookups: the pure hit plan, the handler with futures, the tail cost model."""

@@ -1,0 +1,1 @@
+"""What survives a restart: the journal, the snapshot and its recovery."""

@@ -1,0 +1,375 @@
+"""Key -> slot index over the pool, with per-slot state, pins and futures for pending keys.
+
+Layout, chosen for memory: per namespace one ``dict[key, slot]``; everything else lives in
+arrays indexed by slot (state, pins, namespace, token end, tail flag) plus one list mapping a
+slot back to its key. The eviction policy tracks slot numbers, not keys, so blocks of every
+namespace compete for the same pool. Per stored block this costs the key's bytes object, one
+dict entry, a few array cells and the policy's entry (measured in tests/daemon/store/test_index.py).
+
+A key is PENDING from ``prepare`` (or ``claim`` of a reserved slot) until ``commit`` or
+``abort``; callers that want to know how it ends ``wait`` on a future that resolves True
+(readable) or False (gone). Nothing polls.
+
+Every transition is mirrored into the shared index (``shared_index.py``) that engines read in
+place. A slot's generation grows each time it is handed to a writer; a READY slot that loses
+its key while engines read the index is retired, not freed (``reclaim.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+from kvoffload.daemon.base import Geometry, KeyStatus
+from kvoffload.daemon.store import shared_index as si
+from kvoffload.daemon.store.eviction import EvictionPolicy, make_policy
+from kvoffload.daemon.store.pool import Pool
+from kvoffload.daemon.store.reclaim import Reclaimer
+from kvoffload.daemon.store.slot_arrays import SlotTable
+from kvoffload.daemon.store.slot_states import (  # noqa: F401 - re-exported: callers use index.X
+    _SHARED_STATE,
+    Listener,
+    Namespace,
+    Prepared,
+    SlotState,
+)
+
+
+class BlockIndex(SlotTable):
+    def __init__(self, pool: Pool, policy: str = "lru") -> None:
+        self.pool = pool
+        self.policy_name = policy
+        self.policy: EvictionPolicy = make_policy(policy)
+        self.namespaces: list[Namespace] = []
+        self._by_name: dict[str, Namespace] = {}
+        self._waiters: dict[int, list[asyncio.Future[bool]]] = {}
+        self.on_ready: list[Listener] = []
+        self.on_drop: list[Listener] = []
+        self.on_abort: list[Listener] = []
+        # Called only for capacity evictions (not reset/drop), before on_drop and while the
+        # slot still holds the block's bytes: a lower tier (daemon/tiers) copies them out.
+        self.on_evict: list[Listener] = []
+        self.shared: si.SharedIndexWriter | None = None
+        self._share: tuple[str, str] | None = None
+        self.reclaimer = Reclaimer()
+        self.owners: dict[str, int] = {}  # engine instance -> owner id (0: nobody known)
+        self._size(0)
+
+    def share(self, path: str, daemon_id: str) -> None:
+        """Publish the index at ``path`` once the pool is configured (see ``configure``)."""
+        self._share = (path, daemon_id)
+
+    def configure(self, slot_bytes: int) -> None:
+        self.pool.configure(slot_bytes)
+        self._size(self.pool.num_slots)
+        # ARC sizes its ghost lists by the number of slots, known only now.
+        self.policy = make_policy(self.policy_name, self.pool.num_slots)
+        if self._share is not None:
+            self.shared = si.SharedIndexWriter(self._share[0], self.pool.num_slots,
+                                               self._share[1])
+            self.reclaimer.read_record = self.shared.read_reader
+
+    @property
+    def epoch(self) -> int:
+        """Position of the shared index's change ring: what readers report back."""
+        return self.shared.head if self.shared is not None else 0
+
+    # -- namespaces -------------------------------------------------------------------
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._by_name)
+
+    def namespace(self, geometry: Geometry) -> Namespace:
+        """The namespace of ``geometry``; ValueError when its name holds another geometry."""
+        ns = self._by_name.get(geometry.namespace)
+        if ns is None:
+            ns = Namespace(len(self.namespaces), geometry, {})
+            self.namespaces.append(ns)
+            self._by_name[geometry.namespace] = ns
+        elif ns.geometry != geometry:
+            raise ValueError(
+                f"namespace {geometry.namespace!r} is registered with another geometry "
+                f"({ns.geometry!r}); include what differs (dtype, TP layout, ...) in the name")
+        return ns
+
+    # -- reads ------------------------------------------------------------------------
+
+    def status(self, ns: Namespace, key: bytes) -> KeyStatus:
+        slot = ns.keys.get(key)
+        if slot is None:
+            return KeyStatus.MISS
+        return KeyStatus.HIT if self.state[slot] == SlotState.READY else KeyStatus.HIT_PENDING
+
+    def ready_slot(self, ns: Namespace, key: bytes) -> int | None:
+        slot = ns.keys.get(key)
+        return slot if slot is not None and self.state[slot] == SlotState.READY else None
+
+    def count(self, state: SlotState) -> int:
+        return {SlotState.READY: self.n_ready, SlotState.PENDING: self.n_pending}.get(
+            state, self.pool.free_slots)
+
+    def __len__(self) -> int:
+        return sum(len(ns.keys) for ns in self.namespaces)
+
+    # -- store lifecycle --------------------------------------------------------------
+
+    def _evictable(self, slot: int) -> bool:
+        return self.state[slot] == SlotState.READY and self.pins[slot] == 0
+
+    def _alloc(self, evicted: list[tuple[Namespace, bytes, int]]) -> int | None:
+        """A free slot, reclaiming retired ones, else evicting one unpinned READY block."""
+        slot = self.pool.alloc()
+        if slot is None:
+            self.reclaim()
+            slot = self.pool.alloc()
+        # Evicted slots that readers may still see are retired, not reusable at once: stop
+        # evicting while enough of them wait, or a lagging reader would empty the pool.
+        if slot is None and self.reclaimer.backlog < self.max_retired:
+            for victim in self.policy.victims(1, self._evictable):
+                victim_key = self.slot_key[victim]
+                if victim_key is not None:
+                    for listener in self.on_evict:
+                        listener(self.namespaces[self.ns_of[victim]], victim_key, victim)
+                evicted.append(self._forget(victim))
+            slot = self.pool.alloc()
+        if slot is not None:
+            self.gen[slot] += 1  # a new writer: old readers' copies of it now fail their check
+        return slot
+
+    def prepare(self, ns: Namespace, key: bytes, end_token: int, tail: bool,
+                owner: int = 0) -> Prepared:
+        """Reserve a slot for ``key`` (PENDING); evict one unpinned READY block if full."""
+        if key in ns.keys:
+            return Prepared(None, True, [])
+        evicted: list[tuple[Namespace, bytes, int]] = []
+        slot = self._alloc(evicted)
+        if slot is None:
+            return Prepared(None, False, evicted)
+        self._occupy(ns, key, slot, SlotState.PENDING, end_token, tail, owner)
+        return Prepared(slot, False, evicted)
+
+    def keep_free(self) -> int:
+        """Evict ahead, so a store, a reservation or a promotion finds a slot at once: with
+        engines reading the index an evicted slot is reusable only a moment later (retired),
+        so waiting until the pool is full would refuse the very request that evicted."""
+        if not self.reclaimer.readers:
+            return 0  # nobody reads in place: evicting on demand frees a slot at once
+        target = self.free_target
+        evicted = 0
+        while self.pool.free_slots + self.reclaimer.backlog < target \
+                and self.reclaimer.backlog < self.max_retired:
+            victims = self.policy.victims(1, self._evictable)
+            if not victims:
+                break
+            victim = victims[0]
+            key = self.slot_key[victim]
+            if key is not None:
+                for listener in self.on_evict:
+                    listener(self.namespaces[self.ns_of[victim]], key, victim)
+            self._forget(victim)
+            evicted += 1
+        return evicted
+
+    def reserve(self, holder: object, n: int) -> tuple[list[tuple[int, int]],
+                                                       list[tuple[Namespace, bytes, int]]]:
+        """Up to ``n`` empty slots for one engine's stores, as (slot, generation) pairs.
+
+        Evicts as needed; an evicted slot that readers may still see is retired, so it comes
+        back in a later reservation, not this one.
+        """
+        granted: list[tuple[int, int]] = []
+        evicted: list[tuple[Namespace, bytes, int]] = []
+        for _ in range(n):
+            slot = self._alloc(evicted)
+            if slot is None:
+                break
+            self.state[slot] = SlotState.RESERVED
+            self.reserved_by[slot] = holder
+            granted.append((slot, self.gen[slot]))
+            self.publish(slot)  # readers see the generation move
+        return granted, evicted
+
+    def claim(self, ns: Namespace, key: bytes, slot: int, gen: int, end_token: int,
+              tail: bool, holder: object, owner: int = 0) -> bool | None:
+        """Put ``key`` into a slot ``holder`` reserved: True, False (key exists: the slot stays
+        reserved), None (not this holder's slot or generation: refused)."""
+        if not 0 <= slot < len(self.state) or self.state[slot] != SlotState.RESERVED \
+                or self.reserved_by.get(slot) is not holder or self.gen[slot] != gen:
+            return None
+        if key in ns.keys:
+            return False
+        del self.reserved_by[slot]
+        self._occupy(ns, key, slot, SlotState.PENDING, end_token, tail, owner)
+        return True
+
+    def unreserve(self, slot: int, fence_s: float = 0.0) -> None:
+        """Give back a reserved slot; ``fence_s``: its writer may still be writing it."""
+        if self.state[slot] != SlotState.RESERVED:
+            return
+        self.reserved_by.pop(slot, None)
+        self.state[slot] = SlotState.FREE
+        if fence_s > 0:
+            self.state[slot] = SlotState.RETIRED
+            self.reclaimer.fence(slot, fence_s)
+        else:
+            self.pool.free(slot)
+
+    def _occupy(self, ns: Namespace, key: bytes, slot: int, state: SlotState, end_token: int,
+                tail: bool, owner: int = 0) -> None:
+        """Record ``key`` in ``slot`` (every per-slot array, the counters, the namespace)."""
+        ns.keys[key] = slot
+        self.state[slot] = state
+        if state == SlotState.PENDING:
+            self.n_pending += 1
+        else:
+            self.n_ready += 1
+        self.ns_of[slot] = ns.id
+        self.end_token[slot] = end_token
+        self.tail[slot] = tail
+        self.slot_key[slot] = key
+        self.owner[slot] = owner
+        self.publish(slot)
+
+    def commit(self, ns: Namespace, key: bytes) -> bool:
+        slot = ns.keys.get(key)
+        if slot is None or self.state[slot] != SlotState.PENDING:
+            return False
+        self.state[slot] = SlotState.READY
+        self.n_pending -= 1
+        self.n_ready += 1
+        self.policy.on_insert(slot)
+        self.publish(slot)
+        self._resolve(slot, True)
+        for listener in self.on_ready:
+            listener(ns, key, slot)
+        return True
+
+    def restore(self, ns: Namespace, key: bytes, slot: int, end_token: int, tail: bool) -> None:
+        """Re-admit a READY block recovered at start (validated; the caller claims its slot).
+
+        No listeners run: the journal already holds it and nothing was published this run.
+        """
+        self.gen[slot] += 1
+        self._occupy(ns, key, slot, SlotState.READY, end_token, tail)
+        self.policy.on_insert(slot)
+
+    def abort(self, ns: Namespace, key: bytes, fence_s: float = 0.0) -> bool:
+        slot = ns.keys.get(key)
+        if slot is None or self.state[slot] != SlotState.PENDING:
+            return False
+        for listener in self.on_abort:
+            listener(ns, key, slot)
+        # Nobody loads a PENDING block, so only a writer that may still be at work delays reuse.
+        self._release_slot(ns, key, slot, fence_s=fence_s)
+        self._resolve(slot, False)
+        return True
+
+    def wait(self, ns: Namespace, key: bytes) -> asyncio.Future[bool] | None:
+        """A future resolving when a PENDING key commits (True) or aborts (False)."""
+        slot = ns.keys.get(key)
+        if slot is None or self.state[slot] != SlotState.PENDING:
+            return None
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(slot, []).append(fut)
+        return fut
+
+    def _resolve(self, slot: int, ok: bool) -> None:
+        for fut in self._waiters.pop(slot, ()):
+            if not fut.done():
+                fut.set_result(ok)
+
+    def cancel_waiters(self) -> None:
+        for slot in list(self._waiters):
+            self._resolve(slot, False)
+
+    # -- pins, access, removal --------------------------------------------------------
+
+    def pin(self, slot: int) -> None:
+        if not self.pins[slot]:
+            self.n_pinned += 1
+        self.pins[slot] += 1
+
+    def pin_generation(self, slot: int, gen: int) -> bool:
+        """Pin a slot an engine saw READY at generation ``gen``: also a retired one, whose
+        bytes are intact until reclaimed. False when the slot went to another writer."""
+        if not 0 <= slot < len(self.state) or self.gen[slot] != gen:
+            return False
+        if self.state[slot] not in (SlotState.READY, SlotState.RETIRED):
+            return False
+        self.pin(slot)
+        return True
+
+    def unpin(self, slot: int) -> None:
+        if self.pins[slot]:
+            self.pins[slot] -= 1
+            if not self.pins[slot]:
+                self.n_pinned -= 1
+                if self.state[slot] == SlotState.RETIRED and self.reclaimer.unpinned(slot):
+                    self._free(slot)
+
+    def touch(self, slot: int) -> None:
+        if self.state[slot] == SlotState.READY:
+            self.policy.on_access(slot)
+
+    def _free(self, slot: int) -> None:
+        self.state[slot] = SlotState.FREE
+        self.pool.free(slot)
+
+    def reclaim(self) -> int:
+        """Free every retired slot no reader and no pin can reach any more."""
+        freed = self.reclaimer.reclaim(lambda s: self.pins[s] > 0)
+        for slot in freed:
+            self._free(slot)
+        return len(freed)
+
+    def _release_slot(self, ns: Namespace, key: bytes, slot: int, fence_s: float = 0.0) -> None:
+        del ns.keys[key]
+        was_ready = self.state[slot] == SlotState.READY
+        if was_ready:
+            self.n_ready -= 1
+        elif self.state[slot] == SlotState.PENDING:
+            self.n_pending -= 1
+        self.slot_key[slot] = None
+        # Readers may hold this slot as a HIT until they apply the change published now.
+        retire = was_ready and bool(self.reclaimer.readers)
+        self.state[slot] = SlotState.RETIRED if retire or fence_s > 0 else SlotState.FREE
+        self.publish(slot)
+        if retire:
+            self.reclaimer.retire(slot, self.epoch)
+            return  # pins (and their count) stay until the loads that hold them complete
+        if self.pins[slot]:
+            self.n_pinned -= 1
+        self.pins[slot] = 0
+        if fence_s > 0:
+            self.reclaimer.fence(slot, fence_s)
+        else:
+            self.pool.free(slot)
+
+    def _forget(self, slot: int) -> tuple[Namespace, bytes, int]:
+        """Drop a READY slot the policy already forgot; tell listeners."""
+        ns = self.namespaces[self.ns_of[slot]]
+        key = self.slot_key[slot]
+        assert key is not None
+        end = self.end_token[slot]
+        for listener in self.on_drop:
+            listener(ns, key, slot)
+        self._release_slot(ns, key, slot)
+        return ns, key, end
+
+    def drop(self, ns: Namespace, key: bytes) -> bool:
+        """Remove one READY, unpinned key (reset, corruption)."""
+        slot = ns.keys.get(key)
+        if slot is None or not self._evictable(slot):
+            return False
+        self.policy.on_remove(slot)
+        self._forget(slot)
+        return True
+
+    def reset(self, ns: Namespace, owner: int | None = None) -> int:
+        """Drop a namespace's ready, unpinned blocks (only ``owner``'s, when given)."""
+        keys = [k for k, s in ns.keys.items() if owner is None or self.owner[s] == owner]
+        return sum(self.drop(ns, key) for key in keys)
+
+    def slots_of(self, ns: Namespace) -> Iterator[tuple[bytes, int]]:
+        return iter(ns.keys.items())

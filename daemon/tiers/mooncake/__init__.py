@@ -1,0 +1,1 @@
+"""The shared tier on a Mooncake Store cluster."""

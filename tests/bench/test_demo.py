@@ -1,0 +1,120 @@
+"""`kvoffload demo`: an embedded or running daemon plus a simulated hybrid engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+from tests.daemon_helpers import run_daemon
+
+
+def demo(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "kvoffload", "demo", "--json", *args],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr + out.stdout
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check(s: dict) -> None:
+    assert s["verify_failures"] == 0 and s["errors"] == 0
+    assert s["tail_hit_tokens"] > 0 and s["chunk_hit_tokens"] > 0
+    assert s["hit_tokens"] == s["chunk_hit_tokens"] + s["tail_hit_tokens"]
+    assert s["recomputed_tokens"] == s["prompt_tokens"] - s["hit_tokens"]
+    assert s["bytes_loaded"] > 0 and s["bytes_stored"] > 0
+    assert s["simulated_ttft_ms_mean"] < s["simulated_ttft_ms_no_offload_mean"]
+
+
+def test_demo_embedded_daemon_with_eviction() -> None:
+    s = demo("--requests", "150", "--pool-bytes", "16MiB")
+    check(s)
+    assert s["requests"] == 150 and s["evicted_keys"] > 0
+
+
+def test_demo_against_running_daemon(tmp_path) -> None:
+    with run_daemon(tmp_path, pool_bytes=64 << 20) as d:
+        s = demo("--connect", d.control, "--requests", "60", "--preset", "qwen3-next-80b-tp4")
+        check(s)
+        assert s["round_trips_per_request"] <= 5
+
+
+def test_demo_asks_deferred_lookups_again_and_shows_disk_hits(tmp_path) -> None:
+    """Against a daemon whose small pool spills to a disk tier, answers deferred while a block
+    is promoted are asked again on a later step and served, instead of counted as misses."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    with run_daemon(tmp_path, "--disk-dir", str(disk), "--disk-bytes", str(1 << 30),
+                    pool_bytes=16 << 20) as d:
+        s = demo("--connect", d.control, "--requests", "150")
+        check(s)
+        assert s["deferred_steps"] > 0 and s["gave_up"] == 0
+        with urllib.request.urlopen(f"{d.http_url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        ok = [line for line in text.splitlines()
+              if line.startswith("kvoffload_tier_promotions_total") and 'outcome="ok"' in line]
+        assert ok and float(ok[0].rsplit(" ", 1)[1]) > 0, ok  # blocks came back from disk
+
+
+def test_demo_summary_explains_itself() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvoffload", "demo", "--requests", "20"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "started its own daemon in this process" in text
+    assert "/dev/shm/kvoffload-demo-" in text and "stopped and removed at the end" in text
+    assert "bytes x 1/1024: each KV block has 1/1024 of its real size" in text
+    assert "daemon requests per turn" in text
+    assert "whose bytes differ from what was stored" in text
+
+
+def test_demo_preset_help_lists_the_choices() -> None:
+    from kvoffload.bench.workload import PRESETS
+
+    out = subprocess.run([sys.executable, "-m", "kvoffload", "demo", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    flat = " ".join(out.stdout.split())
+    assert all(name in flat for name in PRESETS), flat
+
+
+def test_demo_ends_with_one_line_when_the_daemon_dies(tmp_path) -> None:
+    with run_daemon(tmp_path, pool_bytes=64 << 20) as d:
+        proc = subprocess.Popen([sys.executable, "-m", "kvoffload", "demo", "--connect",
+                                 d.control, "--requests", "1000000"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            # Kill it once the demo is under way (its lookups show in the daemon's metrics).
+            for _ in range(600):
+                with urllib.request.urlopen(f"{d.http_url}/metrics", timeout=10) as resp:
+                    if any(line.startswith("kvoffload_lookups_total") and
+                           not line.endswith(" 0.0") for line in resp.read().decode()
+                           .splitlines()):
+                        break
+                time.sleep(0.05)
+            d.kill()
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "the daemon stopped answering after" in lines[0], err
+    assert "of 1000000 requests" in lines[0] and out == ""
+
+
+def test_second_daemon_on_one_mooncake_master_serves_more() -> None:
+    """Two daemons on one real mooncake_master, the same seeded demo: B gets A's blocks from
+    the store (the demo asks deferred answers again), so B serves more than A."""
+    import pytest
+    from kvoffload.bench.mooncake_run import mooncake_unavailable
+
+    if (why := mooncake_unavailable()) is not None:
+        pytest.skip(why)
+    from kvoffload.bench.mooncake_demo import run_demo_shared
+
+    r = run_demo_shared(requests=60, seed=3)
+    assert r["a"]["verify_failures"] == r["b"]["verify_failures"] == 0
+    assert r["a"]["errors"] == r["b"]["errors"] == 0
+    assert r["b_promotions_ok"] > 0 and r["b"]["deferred_steps"] > 0
+    assert r["b"]["hit_tokens"] > r["a"]["hit_tokens"] and r["meets"]

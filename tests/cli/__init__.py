@@ -1,0 +1,1 @@
+"""Tests of the kvoffload command line."""

@@ -1,0 +1,112 @@
+"""The index alone: state transitions, pins, futures, eviction, and bytes per stored block."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import tracemalloc
+
+import pytest
+from kvoffload.daemon.base import Geometry, GroupKind, GroupSpec, KeyStatus, make_key
+from kvoffload.daemon.store.index import BlockIndex, SlotState
+from kvoffload.daemon.store.pool import Pool, PoolInUse
+
+GEOM = Geometry(namespace="t", groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION,
+                                                 tokens_per_block=16, bytes_per_block=64),),
+                tokens_per_hash=16)
+
+
+def key(i: int) -> bytes:
+    return make_key(hashlib.sha256(i.to_bytes(8, "big")).digest(), 0)
+
+
+@pytest.fixture
+def index(tmp_path):
+    pool = Pool(str(tmp_path / "pool"), 64 * 4, prefault=False)
+    pool.open()
+    idx = BlockIndex(pool, "lru")
+    idx.configure(64)
+    yield idx
+    pool.close(remove=True)
+
+
+def test_states_and_eviction_order(index: BlockIndex) -> None:
+    ns = index.namespace(GEOM)
+    for i in range(4):
+        assert index.prepare(ns, key(i), 16, False).slot is not None
+        assert index.status(ns, key(i)) is KeyStatus.HIT_PENDING
+        assert index.commit(ns, key(i))
+    assert index.count(SlotState.READY) == 4 and index.pool.free_slots == 0
+    index.touch(ns.keys[key(0)])  # 1 is now the least recently used
+    index.pin(ns.keys[key(1)])  # ... but pinned: 2 goes first
+    got = index.prepare(ns, key(9), 16, False)
+    assert [k for _, k, _ in got.evicted] == [key(2)]
+    assert index.status(ns, key(2)) is KeyStatus.MISS
+    assert index.status(ns, key(1)) is KeyStatus.HIT
+
+
+def test_no_room_when_all_pending_or_pinned(index: BlockIndex) -> None:
+    ns = index.namespace(GEOM)
+    for i in range(4):
+        index.prepare(ns, key(i), 16, False)
+    got = index.prepare(ns, key(5), 16, False)
+    assert got.slot is None and not got.exists
+    assert index.prepare(ns, key(0), 16, False).exists
+
+
+async def test_futures_resolve_on_commit_and_abort(index: BlockIndex) -> None:
+    ns = index.namespace(GEOM)
+    index.prepare(ns, key(1), 16, False)
+    index.prepare(ns, key(2), 16, False)
+    f1, f2 = index.wait(ns, key(1)), index.wait(ns, key(2))
+    assert f1 is not None and f2 is not None and not f1.done()
+    index.commit(ns, key(1))
+    index.abort(ns, key(2))
+    assert await asyncio.wait_for(f1, 1) is True
+    assert await asyncio.wait_for(f2, 1) is False
+    assert index.wait(ns, key(1)) is None  # ready keys need no future
+    assert index.pool.free_slots == 3  # the aborted slot is reusable
+
+
+def test_namespaces_do_not_share_blocks(index: BlockIndex) -> None:
+    a = index.namespace(GEOM)
+    b = index.namespace(Geometry(namespace="other", groups=GEOM.groups, tokens_per_hash=16))
+    index.prepare(a, key(1), 16, False)
+    index.commit(a, key(1))
+    assert index.status(b, key(1)) is KeyStatus.MISS
+    with pytest.raises(ValueError, match="another geometry"):
+        index.namespace(Geometry(namespace="t", groups=GEOM.groups, tokens_per_hash=8))
+
+
+def test_second_pool_on_same_path_is_refused(tmp_path) -> None:
+    first = Pool(str(tmp_path / "p"), 4096, prefault=True)
+    first.open()
+    with pytest.raises(PoolInUse):
+        Pool(str(tmp_path / "p"), 4096).open()
+    first.close(remove=True)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_index_metadata_under_256_bytes_per_block(tmp_path, policy: str) -> None:
+    n = 100_000
+    pool = Pool(str(tmp_path / "pool"), 64 * n, prefault=False)
+    pool.open()
+    idx = BlockIndex(pool, policy)
+    keys = [key(i) for i in range(n)]  # as they arrive from the wire, before the index
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    idx.configure(64)
+    ns = idx.namespace(GEOM)
+    for k in keys:
+        idx.prepare(ns, k, 16, False)
+        idx.commit(ns, k)
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    # The keys' own bytes objects are kept alive by the index: count them too.
+    per_block = (used + sum(len(k) + 33 for k in keys)) / n
+    assert idx.count(SlotState.READY) == n
+    assert per_block <= 256, f"{per_block:.0f} bytes per block"
+    pool.close(remove=True)

@@ -1,0 +1,130 @@
+"""Per-engine views opened on Register: an engine that sends its data_parallel_rank gets a view.
+
+The daemon runs as a process with ``--engine-views-auto``; engines register through our client
+(and the plugin's IndexSession) with a DP rank; each view's stream is read back through vLLM's
+replay protocol at the endpoints the daemon logs.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from kvoffload.connector.client import DaemonClient
+from kvoffload.connector.session import IndexSession
+from kvoffload.daemon.config import ConfigError, load_config
+from kvoffload.daemon.control import protocol as p
+from kvoffload.events.schema import decode_batch
+
+from tests.daemon.streams.test_publish import replay_all
+from tests.daemon_helpers import DaemonHandle, run_daemon
+from tests.events.test_profiles import CHUNK, GEOM, fine_chain, store_items
+
+AUTO = "events=tcp://127.0.0.1:0,replay=tcp://127.0.0.1:0"
+
+
+def view_lines(d: DaemonHandle, rank: int, engine: str) -> list[str]:
+    """Replay endpoints of (engine, rank)'s views, from the daemon's log lines."""
+    return re.findall(rf"event view of DP rank {rank} \(engine '{engine}'\): events \S+ "
+                      r"replay (\S+)", d.log())
+
+
+def wait_log(d: DaemonHandle, rank: int, engine: str) -> str:
+    # The line is logged before Register's reply is sent; the log file may lag a little.
+    deadline = time.monotonic() + 10
+    while not (eps := view_lines(d, rank, engine)):
+        assert time.monotonic() < deadline, d.log()
+        time.sleep(0.02)
+    return eps[0]
+
+
+def register(c: DaemonClient, rank: int | None, instance: str = "e0") -> p._Msg:
+    c.connect()
+    reply = c.call(p.Register(rid=c.rid(), geometry=GEOM, data_parallel_rank=rank,
+                              instance=instance))
+    if isinstance(reply, p.Registered):
+        c.registered = reply  # what DaemonClient.register keeps: later calls name the engine
+    return reply
+
+
+def store_all(c: DaemonClient) -> int:
+    tokens = list(range(1000, 1000 + 2 * CHUNK + 8))
+    items = store_items(tokens, fine_chain(tokens), 2 * CHUNK + 8)
+    grant = c.prepare_store(items)
+    assert all(o == p.StoreOutcome.GRANTED for o in grant.outcomes)
+    assert c.commit_store([i.key for i in items]) == len(items)
+    return len(items)
+
+
+def events_of(replay: str, n: int) -> list[tuple[int | None, str]]:
+    """(batch rank, medium) of every event, once the view holds `n` (publishing is async)."""
+    deadline = time.monotonic() + 10
+    while True:
+        out = [(b.data_parallel_rank, e.medium) for pl in replay_all(replay)
+               for b in [decode_batch(pl)] for e in b.events]
+        if len(out) >= n or time.monotonic() > deadline:
+            return out
+        time.sleep(0.02)
+
+
+def test_register_with_a_rank_opens_that_engines_view(tmp_path: Path) -> None:
+    with run_daemon(tmp_path, "--engine-views-auto", AUTO) as d:
+        assert d.ready["engine_views"] == []  # nothing until an engine asks
+        c = DaemonClient(d.control, timeout_ms=5000)
+        try:
+            assert isinstance(register(c, 3), p.Registered)
+            replay3 = wait_log(d, 3, "e0")
+            stored = store_all(c)
+            # The same engine registering again (a reconnect) keeps its one view.
+            c2 = DaemonClient(d.control, timeout_ms=5000)
+            assert isinstance(register(c2, 3), p.Registered)
+            # Another vLLM instance is another worker to a router, even at the same rank.
+            assert isinstance(register(c2, 3, "e1"), p.Registered)
+            c2.close()
+            got3 = events_of(replay3, stored)
+            other3 = events_of(wait_log(d, 3, "e1"), stored)
+            # The plugin's session sends its rank; a late view first announces what is resident.
+            session = IndexSession(d.control, GEOM, instance="e2", data_parallel_rank=5)
+            assert session._attach(), d.log()
+            got5 = events_of(wait_log(d, 5, "e2"), stored)
+            session.client.close()
+        finally:
+            c.close()
+        assert len(view_lines(d, 3, "e0")) == 1
+        assert len(set(view_lines(d, 3, "e0") + view_lines(d, 3, "e1"))) == 2
+        assert d.proc is not None and d.proc.poll() is None
+    assert got3 == [(3, "CPU")] * stored
+    assert other3 == [(3, "CPU")] * stored
+    assert got5 == [(5, "CPU")] * stored
+
+
+@pytest.mark.parametrize("rank", [-1, 1 << 16])
+def test_a_rank_out_of_range_is_refused_and_opens_nothing(tmp_path: Path, rank: int) -> None:
+    with run_daemon(tmp_path, "--engine-views-auto", AUTO) as d:
+        c = DaemonClient(d.control, timeout_ms=5000)
+        try:
+            reply = register(c, rank)
+            assert isinstance(reply, p.Error) and "data_parallel_rank" in reply.message
+            assert isinstance(register(c, None), p.Registered)  # no rank: no view, no error
+        finally:
+            c.close()
+        assert "event view of DP rank" not in d.log()
+
+
+def test_without_the_setting_a_rank_opens_no_view(tmp_path: Path) -> None:
+    with run_daemon(tmp_path) as d:
+        c = DaemonClient(d.control, timeout_ms=5000)
+        try:
+            assert isinstance(register(c, 0), p.Registered)
+        finally:
+            c.close()
+        assert "event view of DP rank" not in d.log()
+
+
+@pytest.mark.parametrize("template", ["rank=1,events=tcp://127.0.0.1:0", "replay=tcp://x:1",
+                                      "events=tcp://127.0.0.1:0,bogus=1"])
+def test_a_bad_template_is_a_config_error(template: str) -> None:
+    with pytest.raises(ConfigError, match="engine_views_auto"):
+        load_config(flags={"engine_views_auto": template})
