@@ -78,6 +78,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    "socket (see kvoffload keys, docs/security.md)")
     s.add_argument("--curve-client-keys", help="allowed client public keys: a directory of "
                    "NAME.key files or one file of z85 keys")
+    s.add_argument("--events-curve", action=argparse.BooleanOptionalAction, default=None,
+                   help="CURVE on the event sockets too (the control socket's keys and "
+                        "allow-list)")
+    # Isolation between clients (docs/security.md, "Quotas"); no argparse choices, so a bad
+    # value gets the same one line as from a file or the environment.
+    s.add_argument("--reset-namespace", help="who may Reset a whole namespace: sole (default: "
+                   "its only live client), operator (the credential only) or any")
+    s.add_argument("--operator-token-file", help="0600 file holding the operator credential")
+    s.add_argument("--client-pool-share-pct", type=int, help="most of the pool one client may hold in "
+                   "pins, pending stores and reservations, in percent (50)")
+    s.add_argument("--client-max-pending", type=int, help="pending stores per client (0: the share)")
+    s.add_argument("--client-max-pins", type=int, help="pins per client (0: the share)")
+    s.add_argument("--max-clients-per-peer", type=int, help="identities per CURVE key or tcp peer (256)")
     s.add_argument("--ready-file", help="write {pid, control, http} as JSON here when ready")
     s.set_defaults(handler=run)
 
