@@ -20,7 +20,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 from kvoffload.bench.workload import PRESETS, Turn, block_hashes, chat_turns
@@ -104,6 +104,20 @@ class SimEngine:
 
     def _group_bytes(self, key: bytes) -> int:
         return self.geometry.groups[int.from_bytes(key[-4:], "big")].bytes_per_block
+
+    async def run_turn_once(self, turn: Turn) -> None:
+        """``run_turn``, counted only if it completes: a turn cut off by a lost daemon is
+        taken back from the summary, so asking it again never counts it twice."""
+        before = replace(self.summary)
+        marks = len(self._ttft), len(self._ttft_none)
+        try:
+            await self.run_turn(turn)
+        except BaseException:
+            # Wrong bytes already seen stay counted: only the turn's totals are taken back.
+            before.verify_failures = self.summary.verify_failures
+            self.summary = before
+            del self._ttft[marks[0]:], self._ttft_none[marks[1]:]
+            raise
 
     async def run_turn(self, turn: Turn) -> None:
         g, s = self.geometry, self.summary
@@ -251,7 +265,7 @@ async def run_demo(args: argparse.Namespace) -> Summary:
             lost_at: float | None = None
             while True:
                 try:
-                    await engine.run_turn(turn)
+                    await engine.run_turn_once(turn)
                     break
                 except DaemonUnavailable as exc:
                     # A daemon that died or froze: the turn is asked again (a restarted

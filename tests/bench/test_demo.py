@@ -118,3 +118,48 @@ def test_second_daemon_on_one_mooncake_master_serves_more() -> None:
     assert r["a"]["errors"] == r["b"]["errors"] == 0
     assert r["b_promotions_ok"] > 0 and r["b"]["deferred_steps"] > 0
     assert r["b"]["hit_tokens"] > r["a"]["hit_tokens"] and r["meets"]
+
+
+def test_a_turn_cut_off_by_a_lost_daemon_is_not_counted_twice(tmp_path) -> None:
+    """The demo asks a turn again after an outage: the cut-off attempt must be taken back, or
+    its prompt and hit tokens would count twice. Wrong bytes already seen stay counted."""
+    import asyncio
+
+    from kvoffload.bench.demo import SimEngine
+    from kvoffload.bench.workload import PRESETS, chat_turns
+    from kvoffload.connector.client import AsyncDaemonClient, DaemonUnavailable
+
+    async def scenario(control: str) -> None:
+        client = AsyncDaemonClient(control, name="demo test")
+        engine = SimEngine(client, PRESETS["qwen3.6-27b-tp1"].geometry(1 / 1024), 1 / 1024)
+        try:
+            await engine.start()
+            turns = list(chat_turns(8, 0))
+            for turn in turns[:4]:
+                await engine.run_turn_once(turn)
+            done = (engine.summary.requests, engine.summary.prompt_tokens,
+                    engine.summary.hit_tokens, engine.summary.bytes_loaded)
+            assert done[0] == 4 and done[1] > 0
+
+            async def store_lost(*_: object) -> None:  # the daemon vanishes mid-turn
+                engine.summary.verify_failures += 1
+                raise DaemonUnavailable("gone")
+
+            engine._store = store_lost  # type: ignore[method-assign]
+            try:
+                await engine.run_turn_once(turns[4])
+            except DaemonUnavailable:
+                pass
+            else:
+                raise AssertionError("the injected outage did not surface")
+            after = (engine.summary.requests, engine.summary.prompt_tokens,
+                     engine.summary.hit_tokens, engine.summary.bytes_loaded)
+            assert after == done
+            assert engine.summary.verify_failures == 1
+            assert len(engine._ttft) == 4
+        finally:
+            engine.close()
+            await client.close()
+
+    with run_daemon(tmp_path, pool_bytes=64 << 20) as d:
+        asyncio.run(scenario(d.control))
