@@ -128,6 +128,7 @@ def _fill(d: EmbeddedDaemon, geometry: Geometry, count: int, seed: int) -> None:
         done += n
 
 
+HEADROOM = 512  # pool slots beyond the resident blocks (see plugin_lookup)
 HEAD_SIZE = 1  # tiny pages: 1M resident blocks fit in /dev/shm; lookups never touch bytes
 
 
@@ -152,7 +153,7 @@ def plugin_lookup(tokens: list[int], resident: int, seed: int
     stack = contextlib.ExitStack()
     try:
         _proc, ready = stack.enter_context(daemon_process(
-            "--lease-ms", "600000", pool_bytes=(resident + 64) * block, slot_bytes=block))
+            "--lease-ms", "600000", pool_bytes=(resident + HEADROOM) * block, slot_bytes=block))
         extra = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.connector.vllm",
                  "kvoffload_control": ready["control"], "kvoffload_timeout_ms": 10_000,
                  "kvoffload_store_reserve": 1}
@@ -168,7 +169,11 @@ def plugin_lookup(tokens: list[int], resident: int, seed: int
         groups = len(geometry.groups)
         filler = [fill.randbytes(32) + (i % groups).to_bytes(4, "big")
                   for i in range(resident - len(keys))]
-        everything = keys + filler
+        # The prompt's keys last (most recent), and room beyond ``resident`` for the slots
+        # the daemon keeps free ahead of stores while engines read its index (up to 256):
+        # otherwise evicting ahead drops the oldest blocks, the prompt's, and ours would
+        # answer a miss vLLM never sees.
+        everything = filler + keys
         # Pending stores count against one client's share of the pool (client_pool_share_pct):
         # batches well under it.
         step = max(1, min(1 << 15, resident // 4))
