@@ -39,7 +39,7 @@ class BlockIndex(SlotTable):
     def __init__(self, pool: Pool, policy: str = "lru") -> None:
         self.pool = pool
         self.policy_name = policy
-        self.policy: EvictionPolicy = make_policy(policy)
+        self.policy: EvictionPolicy[int] = make_policy(policy, identity=self._block_identity)
         self.namespaces: list[Namespace] = []
         self._by_name: dict[str, Namespace] = {}
         self._waiters: dict[int, list[asyncio.Future[bool]]] = {}
@@ -63,7 +63,8 @@ class BlockIndex(SlotTable):
         self.pool.configure(slot_bytes)
         self._size(self.pool.num_slots)
         # ARC sizes its ghost lists by the number of slots, known only now.
-        self.policy = make_policy(self.policy_name, self.pool.num_slots)
+        self.policy = make_policy(self.policy_name, self.pool.num_slots,
+                                  identity=self._block_identity)
         if self._share is not None:
             self.shared = si.SharedIndexWriter(self._share[0], self.pool.num_slots,
                                                self._share[1])
@@ -113,6 +114,11 @@ class BlockIndex(SlotTable):
         return sum(len(ns.keys) for ns in self.namespaces)
 
     # -- store lifecycle --------------------------------------------------------------
+
+    def _block_identity(self, slot: int) -> tuple[int, bytes | None]:
+        """What ARC's ghosts remember of a resident slot: its block, not the slot number, which
+        the next block reuses at once (eviction/arc.py)."""
+        return self.ns_of[slot], self.slot_key[slot]
 
     def _evictable(self, slot: int) -> bool:
         return self.state[slot] == SlotState.READY and self.pins[slot] == 0

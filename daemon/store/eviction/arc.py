@@ -9,42 +9,50 @@ repeatedly (T2) survive it, where plain LRU loses them.
 The daemon, not the policy, decides when to evict (when the pool needs slots), so the paper's
 REPLACE step runs inside ``victims``, and its ghost bounds are kept after every change:
 |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c, c = the pool's capacity in slots.
-Ghosts are kept as 30-bit fingerprints of the key (``hash(key)``, an int of 32 bytes), not
-as keys: the index has dropped an evicted key's bytes (about 72 bytes). A collision only
-makes one insert look like a ghost hit (odds about |B| / 2**30), which nudges ``p`` once.
+Ghosts are kept as 30-bit fingerprints of the block (``hash(identity(key))``, an int of 32
+bytes), not as keys: the index has dropped an evicted key's bytes (about 72 bytes). A collision
+only makes one insert look like a ghost hit (odds about |B| / 2**30), which nudges ``p`` once.
+``identity`` matters because the daemon's index passes slot numbers as keys: a slot is reused
+by the next block at once, so a ghost of the slot itself would make nearly every insert into a
+full pool a ghost hit (straight to T2), and a scan would flush the frequent keys as in LRU.
+The index passes the block's (namespace, key bytes) as its identity; by default it is the key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import ClassVar
 
-from kvoffload.daemon.store.eviction.base import EvictionPolicy, KeyOrder
+from kvoffload.daemon.store.eviction.base import EvictionPolicy, K, KeyOrder
 
 _FINGERPRINT_MASK = (1 << 30) - 1  # ints below 2**30 are CPython's smallest (one digit)
 
 
-def _fingerprint(key: bytes) -> int:
-    return hash(key) & _FINGERPRINT_MASK
-
-
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(EvictionPolicy[K]):
     """Adaptive replacement over a pool of ``capacity`` slots."""
 
     name: ClassVar[str] = "arc"
 
-    def __init__(self, capacity: int | None = None) -> None:
+    def __init__(self, capacity: int | None = None,
+                 identity: Callable[[K], Hashable] | None = None) -> None:
         """``capacity``: pool slots. None: follow the most keys ever resident at once (the
-        pool's size once it has filled), for callers that do not know it up front."""
+        pool's size once it has filled), for callers that do not know it up front.
+        ``identity``: what a ghost remembers of a resident key, asked while it is resident
+        (module docstring); None: the key itself."""
         if capacity is not None and capacity <= 0:
             raise ValueError(f"ARC needs a positive capacity, got {capacity}")
         self._auto_capacity = capacity is None
         self.capacity = capacity or 0
         self._p = 0  # target size of T1
-        self._t1: KeyOrder[bytes] = KeyOrder()
-        self._t2: KeyOrder[bytes] = KeyOrder()
+        self._identity = identity
+        self._t1: KeyOrder[K] = KeyOrder()
+        self._t2: KeyOrder[K] = KeyOrder()
         self._b1: KeyOrder[int] = KeyOrder()
         self._b2: KeyOrder[int] = KeyOrder()
+
+    def _fingerprint(self, key: K) -> int:
+        ident = key if self._identity is None else self._identity(key)
+        return hash(ident) & _FINGERPRINT_MASK
 
     @property
     def target_t1(self) -> int:
@@ -55,15 +63,15 @@ class ARCPolicy(EvictionPolicy):
         """(|T1|, |T2|, |B1|, |B2|), for metrics and tests."""
         return len(self._t1), len(self._t2), len(self._b1), len(self._b2)
 
-    def is_frequent(self, key: bytes) -> bool:
+    def is_frequent(self, key: K) -> bool:
         """Whether ``key`` is in T2 (used again since it arrived)."""
         return key in self._t2
 
-    def on_insert(self, key: bytes) -> None:
+    def on_insert(self, key: K) -> None:
         if key in self._t1 or key in self._t2:
             self.on_access(key)
             return
-        ghost = _fingerprint(key)
+        ghost = self._fingerprint(key)
         b1, b2 = self._b1, self._b2
         if ghost in b1:
             # Evicted from T1 and wanted again: T1 deserves more room.
@@ -81,24 +89,24 @@ class ARCPolicy(EvictionPolicy):
             self.capacity = len(self)
         self._trim_ghosts()
 
-    def on_access(self, key: bytes) -> None:
+    def on_access(self, key: K) -> None:
         if self._t1.discard(key):
             self._t2.push(key)  # second use: frequent
         elif key in self._t2:
             self._t2.push(key)
 
-    def on_remove(self, key: bytes) -> None:
+    def on_remove(self, key: K) -> None:
         # Gone for a reason that says nothing about its value (dropped, reset): no ghost.
         if not self._t1.discard(key) and not self._t2.discard(key):
-            ghost = _fingerprint(key)
+            ghost = self._fingerprint(key)
             if not self._b1.discard(ghost):
                 self._b2.discard(ghost)
 
-    def victims(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
-        chosen: list[bytes] = []
+    def victims(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
+        chosen: list[K] = []
         t1, t2 = self._t1, self._t2
-        held1: list[bytes] = []
-        held2: list[bytes] = []
+        held1: list[K] = []
+        held2: list[K] = []
         done1 = done2 = False
         try:
             while len(chosen) < n and not (done1 and done2):
@@ -110,13 +118,13 @@ class ARCPolicy(EvictionPolicy):
                     if key is None:
                         done1 = True
                         continue
-                    self._b1.push(_fingerprint(key))
+                    self._b1.push(self._fingerprint(key))
                 else:
                     key = t2.pop_evictable(can_evict, held2)
                     if key is None:
                         done2 = True
                         continue
-                    self._b2.push(_fingerprint(key))
+                    self._b2.push(self._fingerprint(key))
                 chosen.append(key)
         finally:
             t1.restore(held1)

@@ -9,7 +9,8 @@ without losing their place, so they compete normally once released.
 Memory: the daemon budgets 256 bytes of index metadata per stored block, policy included.
 An ``OrderedDict`` costs about 105 bytes per key (a linked-list node per key on top of the
 dict); :class:`KeyOrder` below costs about 60 by keeping a plain dict of small counters and a
-deque with lazy deletion. Keys are the index's own bytes objects, shared, never copied.
+deque with lazy deletion. A policy is generic in its key type: the daemon's index passes slot
+numbers (small ints, shared by CPython), the unit tests pass bytes.
 """
 
 from __future__ import annotations
@@ -22,25 +23,25 @@ from typing import ClassVar, Generic, TypeVar
 K = TypeVar("K", bound=Hashable)
 
 
-class EvictionPolicy(ABC):
+class EvictionPolicy(ABC, Generic[K]):
     """Orders resident keys for eviction."""
 
     name: ClassVar[str]
 
     @abstractmethod
-    def on_insert(self, key: bytes) -> None:
+    def on_insert(self, key: K) -> None:
         """A newly committed (ready) entry. Inserting a resident key counts as an access."""
 
     @abstractmethod
-    def on_access(self, key: bytes) -> None:
+    def on_access(self, key: K) -> None:
         """A hit, touch or load of a resident entry (once per use); ignored if not resident."""
 
     @abstractmethod
-    def on_remove(self, key: bytes) -> None:
+    def on_remove(self, key: K) -> None:
         """The entry left outside ``victims`` (dropped, reset); ignored for unknown keys."""
 
     @abstractmethod
-    def victims(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
+    def victims(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
         """Up to ``n`` resident keys to evict, best victim first.
 
         Keys ``can_evict`` rejects stay resident where they are. The returned keys are no

@@ -9,6 +9,7 @@ import tracemalloc
 
 import pytest
 from kvoffload.daemon.base import Geometry, GroupKind, GroupSpec, KeyStatus, make_key
+from kvoffload.daemon.store.eviction import ARCPolicy
 from kvoffload.daemon.store.index import BlockIndex, SlotState
 from kvoffload.daemon.store.pool import Pool, PoolInUse
 
@@ -109,4 +110,54 @@ def test_index_metadata_under_256_bytes_per_block(tmp_path, policy: str) -> None
     per_block = (used + sum(len(k) + 33 for k in keys)) / n
     assert idx.count(SlotState.READY) == n
     assert per_block <= 256, f"{per_block:.0f} bytes per block"
+    pool.close(remove=True)
+
+
+def _store(idx: BlockIndex, ns, k: bytes) -> int:
+    slot = idx.prepare(ns, k, 16, False).slot
+    assert slot is not None and idx.commit(ns, k)
+    return slot
+
+
+@pytest.mark.parametrize(("policy", "hot_survive"), [("lru", False), ("arc", True)])
+def test_a_scan_through_the_index_keeps_blocks_used_again_only_under_arc(
+        tmp_path, policy: str, hot_survive: bool) -> None:
+    # The index hands the policy slot numbers, which the next block reuses at once: ARC must
+    # still tell a new block from a returning one, or every insert into a full pool looks like
+    # a ghost hit and the scan flushes the blocks used twice (as LRU does).
+    pool = Pool(str(tmp_path / "pool"), 64 * 4, prefault=False)
+    pool.open()
+    idx = BlockIndex(pool, policy)
+    idx.configure(64)
+    ns = idx.namespace(GEOM)
+    hot = [key(1000), key(1001)]
+    for k in hot:
+        idx.touch(_store(idx, ns, k))
+    for i in range(20):
+        _store(idx, ns, key(i))
+    assert [k in ns.keys for k in hot] == [hot_survive, hot_survive]
+    assert idx.count(SlotState.READY) == 4
+    pool.close(remove=True)
+
+
+def test_arc_ghosts_remember_the_block_not_its_slot(tmp_path) -> None:
+    pool = Pool(str(tmp_path / "pool"), 64 * 4, prefault=False)
+    pool.open()
+    idx = BlockIndex(pool, "arc")
+    idx.configure(64)
+    arc = idx.policy
+    assert isinstance(arc, ARCPolicy)
+    ns = idx.namespace(GEOM)
+    for k in (key(100), key(101)):
+        idx.touch(_store(idx, ns, k))  # T2: used twice
+    slot_a = _store(idx, ns, key(1))
+    _store(idx, ns, key(2))
+    # Full: c evicts a (T1's oldest) and lands in a's slot, yet c is new: no ghost hit.
+    slot_c = _store(idx, ns, key(3))
+    assert key(1) not in ns.keys and slot_c == slot_a
+    assert not arc.is_frequent(slot_c) and arc.target_t1 == 0
+    # a comes back (into b's slot): a ghost hit, so T1 deserved more room.
+    slot_a2 = _store(idx, ns, key(1))
+    assert key(2) not in ns.keys and slot_a2 != slot_a
+    assert arc.is_frequent(slot_a2) and arc.target_t1 == 1
     pool.close(remove=True)
