@@ -105,13 +105,23 @@ async def _load(endpoint: str, clients: int, seconds: float) -> dict[str, Any]:
     return {"ops": sum(r.ops for r in results), "errors": sum(len(r.errors) for r in results)}
 
 
+def _register(s: zmq.Socket[Any], geometry: Geometry) -> int:
+    """Register on ``s`` and return the engine id; a refusal (an Error reply) or silence is
+    one clear error, not an AttributeError on a reply that has no ``engine``."""
+    s.send(p.encoder.encode(p.Register(rid=1, geometry=geometry)))
+    if not s.poll(10_000):
+        raise RuntimeError("the daemon did not answer Register within 10 s")
+    reply = p.reply_decoder.decode(s.recv())
+    if not isinstance(reply, p.Registered):
+        raise RuntimeError(f"the daemon refused Register: {reply!r}")
+    return reply.engine
+
+
 def _flood(endpoint: str, seconds: float) -> dict[str, Any]:
     s: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(endpoint)
-    s.send(p.encoder.encode(p.Register(rid=1, geometry=GEOMETRY)))
-    s.poll(10_000)
-    engine = p.reply_decoder.decode(s.recv()).engine  # type: ignore[attr-defined]
+    engine = _register(s, GEOMETRY)
     keys = [make_key(hashlib.sha256(b"%d" % i).digest(), 0) for i in range(4096)]
     msg = p.encoder.encode(p.Probe(rid=2, engine=engine, keys=keys))
     sent = answered = 0
@@ -132,9 +142,7 @@ def _mamba(endpoint: str, seconds: float) -> dict[str, Any]:
     s: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(endpoint)
-    s.send(p.encoder.encode(p.Register(rid=1, geometry=MAMBA)))
-    s.poll(10_000)
-    engine = p.reply_decoder.decode(s.recv()).engine  # type: ignore[attr-defined]
+    engine = _register(s, MAMBA)
     per_query = 65_536  # 2 MiB of hashes per query, 31 queries: one ~64 MiB message
     queries = [p.LookupQuery(req_id=f"q{i}", hash_blob=random.randbytes(32 * per_query),
                              hash_bytes=32, num_tokens=16 * per_query + 1,

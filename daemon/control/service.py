@@ -226,7 +226,8 @@ class Service(ServiceUpkeep):
     def probe(self, client: ClientState, msg: p.Probe) -> p.ProbeReply:
         ns = self._ns(msg.engine)
         self._check_keys(ns, msg.keys)
-        statuses = [self.index.status(ns, k) for k in msg.keys]
+        # list[int]: the wire type (a KeyStatus is an int; list[KeyStatus] is not list[int]).
+        statuses: list[int] = [self.index.status(ns, k) for k in msg.keys]
         if self.lookups.tiers is not None:  # keys a lower tier holds: promotion starts
             statuses = [self.lookups.tiers.probe(ns, k) if s is KeyStatus.MISS else s
                         for k, s in zip(msg.keys, statuses, strict=True)]
