@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# mypy over every package under its import name (kvoffload.daemon, kvoffload.connector, ...).
+#
+#   bash scripts/typecheck.sh                     # everything (what CI runs)
+#   bash scripts/typecheck.sh daemon/config.py    # some files or folders (repo paths)
+#
+# Why a script: the import names map to top-level folders (daemon/ -> kvoffload.daemon, see
+# ROOTS in setup.py), which setuptools' editable finder resolves at run time but mypy cannot
+# follow (it reads no import hooks, and has no setting that renames a folder into a package).
+# `mypy daemon` checks daemon/ as a package named `daemon`, and every `from kvoffload.daemon...`
+# in it is unresolved. So this builds, in a temporary folder, the tree the wheel installs:
+# kvoffload/ holding symlinks to kvoffload/'s own entries and to each mapped folder, and checks
+# it with that folder on MYPYPATH. Symlinks: nothing is copied, so mypy reads the files being
+# edited, from a fresh clone, with no install and no build. Rejected: checking the installed
+# wheel's site-packages copy (needs a build first, and errors would point at copies) and
+# setuptools' strict editable mode (a link tree too, but frozen at install time: new modules
+# are missed until a reinstall). mypy reports paths inside the temporary tree; they are
+# rewritten back to repo paths, so editors and readers see daemon/config.py:12.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+MYPY=${MYPY:-$REPO/.venv/bin/mypy}
+PY=${PYTHON:-$REPO/.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+
+# A fixed place, not a fresh temp folder: mypy's cache keeps each module's path and replays
+# its errors under that path while the file is unchanged, so a new tree each run would report
+# stale paths. .mypy_cache/ is git-ignored and skipped by ruff and pytest.
+TREE=.mypy_cache/kvoffload-tree
+mkdir -p "$TREE/kvoffload"
+
+# The mapping is read from setup.py (the one source the wheel is built from), not repeated here.
+mapfile -t ROOTS < <("$PY" - <<'EOF'
+import ast
+tree = ast.parse(open("setup.py").read())
+roots = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+             and any(getattr(t, "id", None) == "ROOTS" for t in n.targets))
+for name, folder in roots.items():
+    print(name, folder)
+EOF
+)
+[ "${#ROOTS[@]}" -gt 1 ] || { echo "typecheck: no ROOTS read from setup.py" >&2; exit 2; }
+
+# Links are (re)made in place (ln -sfn: idempotent, so runs side by side do not clash) and
+# leftovers of removed entries are dropped.
+want=()
+for entry in kvoffload/*; do
+  [ "$(basename "$entry")" = __pycache__ ] && continue
+  ln -sfn "$REPO/$entry" "$TREE/kvoffload/"
+  want+=("$(basename "$entry")")
+done
+SED=()  # tree path -> repo path, the sub-packages before kvoffload/ itself
+for line in "${ROOTS[@]}"; do
+  read -r name folder <<<"$line"
+  [ "$name" = kvoffload ] && continue
+  sub=${name#kvoffload.}
+  if [ -e "kvoffload/$sub" ]; then
+    echo "typecheck: kvoffload/$sub exists and $name maps to $folder/" >&2; exit 2
+  fi
+  ln -sfn "$REPO/$folder" "$TREE/kvoffload/$sub"
+  want+=("$sub")
+  SED+=(-e "s#$TREE/kvoffload/$sub/#$folder/#g")
+done
+for link in "$TREE"/kvoffload/*; do
+  [[ " ${want[*]} " == *" $(basename "$link") "* ]] || rm -f "$link"
+done
+SED+=(-e "s#$TREE/kvoffload/#kvoffload/#g")
+
+# Repo paths given on the command line -> the same files inside the tree.
+targets=()
+for arg in "$@"; do
+  case "$arg" in -*) targets+=("$arg"); continue ;; esac
+  rel=${arg#./}
+  mapped=
+  for line in "${ROOTS[@]}"; do
+    read -r name folder <<<"$line"
+    if [ "$rel" = "$folder" ] || [ "${rel#"$folder"/}" != "$rel" ]; then
+      sub=${name#kvoffload}; sub=${sub#.}
+      mapped=$TREE/kvoffload${sub:+/$sub}${rel#"$folder"}
+      break
+    fi
+  done
+  [ -n "$mapped" ] || { echo "typecheck: $arg is not under a package folder" >&2; exit 2; }
+  targets+=("$mapped")
+done
+[ "${#targets[@]}" -gt 0 ] || targets=(-p kvoffload)
+
+set +e
+MYPYPATH=$TREE${MYPYPATH:+:$MYPYPATH} "$MYPY" --explicit-package-bases "${targets[@]}" \
+  | sed "${SED[@]}"
+rc=${PIPESTATUS[0]}
+exit "$rc"
