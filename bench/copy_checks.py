@@ -128,56 +128,88 @@ def run_two_process_check(device: str | None = None, world: int = 2) -> dict[str
     return {"device": str(dev), "world": world, "ranks": results, "meets": ok}
 
 
+def _canonical(layout: KVLayout) -> Any:
+    """vLLM's ``CanonicalKVCaches`` (its own dataclasses) over a one-group layer-compact layout:
+    what vLLM's OffloadingConnector hands ``get_worker``."""
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+    )
+
+    tensors = [CanonicalKVCacheTensor(tensor=t, page_size_bytes=int(t.shape[1]))
+               for t in layout.tensors]
+    refs = [[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=int(t.shape[1]))
+             for i, t in enumerate(layout.tensors)]]
+    return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
+
+
 def _first_job_case(path: str, pool_bytes: int, at_creation: bool, dev: torch.device,
                     jobs: int = 6, job_bytes: int = 48 << 20) -> dict[str, Any]:
-    """One worker's life: created (at_creation: MappingTask and huge pages started then, and
-    done by its first step, as vLLM's warm-up takes seconds), then ``jobs`` 48 MiB stores,
-    each timed from cold caches; the first also builds the copier, as the worker does."""
+    """One life of our vLLM worker (``DaemonOffloadingWorker``, called as vLLM's connector calls
+    it): created (``at_creation``: with ``kvoffload_pool_path``, so it maps the pool, puts CPU
+    KV tensors on huge pages and starts its copy threads then; done by its first step, as
+    vLLM's warm-up takes seconds), then ``jobs`` 48 MiB stores, each timed from cold caches;
+    the first also builds the worker's copier for the pool its spec names."""
+    import uuid
+
     from kvoffload.bench.copy_buffers import timed
-    from kvoffload.connector.transfer.cpu import KVHugePages
-    from kvoffload.connector.transfer.pool_map import MappingTask
+    from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
+    from kvoffload.connector.vllm.worker import DaemonOffloadingWorker
+    from kvoffload.daemon.store.shared_index import SharedIndexWriter
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     layers, page = 8, 16 << 10
     block = layers * page
     items = job_bytes // block
     num_slots = pool_bytes // block
     layout, _ = kv_layout(layers, 2 * items, page, dev)
+    daemon_id = uuid.uuid4().hex[:12]
+    index = SharedIndexWriter(f"{path}.{daemon_id}.index", num_slots, daemon_id)  # gens 0
+    info = PoolInfo(daemon_id, path, pool_bytes, block, block, f"{path}.{daemon_id}.index")
     t0 = time.perf_counter()
-    task = MappingTask(path, pool_bytes, device=dev) if at_creation else None
-    huge = KVHugePages.for_tensors(layout.tensors) if at_creation else None
-    if task is not None:
-        task.wait_ready()
-    if huge is not None:
-        huge.wait()
-    setup_s = time.perf_counter() - t0
-    held: list[Any] = []  # [mapping, copier], made by the first job
-    build_s: list[float] = []  # the copier's construction (threads started) in the first job
+    worker = DaemonOffloadingWorker(_canonical(layout), 0, 1,
+                                    pool_path=path if at_creation else None)
+    if worker._task is not None:  # what vLLM's warm-up leaves time for
+        worker._task.wait_ready()
+    if worker._huge_pages is not None and at_creation:
+        worker._huge_pages.wait()
+    setup_s = time.perf_counter() - t0 if at_creation else 0.0
+    build_s: list[float] = []  # the copier's construction for the spec's pool, in job 1
+    real_copier_for = worker._copier_for
+
+    def copier_for(pool: PoolInfo) -> Any:
+        t = time.perf_counter()
+        try:
+            return real_copier_for(pool)
+        finally:
+            build_s.append(time.perf_counter() - t)
+
+    worker._copier_for = copier_for  # type: ignore[method-assign]  # timing only
 
     def job(j: int) -> None:
-        if not held:
-            mapping = (task.wait_ready() if task is not None
-                       else PoolMapping(path, pool_bytes, populate=True))
-            t_build = time.perf_counter()
-            held.extend([mapping, BlockCopier(mapping, layout, 0, 1, block, dev,
-                                              kv_huge_pages=not at_creation)])
-            build_s.append(time.perf_counter() - t_build)
         base = (j * items) % (num_slots - items)  # other slots each job
-        copier = held[1]
-        copier.submit_store(j + 1, [(0, b, base + b) for b in range(items)])
-        copier.wait([j + 1])
-        if not all(r.ok for r in copier.get_finished()):
-            raise RuntimeError("copy failed")
+        spec = PoolSlotsSpec(list(range(base, base + items)), info)
+        worker.submit_store(j + 1, GPULoadStoreSpec(list(range(items)), [items], [0]), spec)
+        worker.wait({j + 1})
+        done = worker.get_finished()
+        if len(done) != 1 or not done[0].success or done[0].transfer_size != items * block:
+            raise RuntimeError(f"copy failed: {done}")
 
-    times = [timed(lambda j=j: job(j), dev) for j in range(jobs)]
-    held[1].close()
-    # The last job's slots hold its blocks (each layer's page, in order): a fast wrong copy
-    # would not pass.
-    base = ((jobs - 1) * items) % (num_slots - items)
-    slots = held[0].slot_view(block)[base : base + items].view(items, layers, page)
-    kv = layout.segment_view(layout.segments[0][0])[:items].cpu()
-    verified = bool(torch.equal(slots, kv))
-    del slots
-    held[0].close()
+    try:
+        times = [timed(lambda j=j: job(j), dev) for j in range(jobs)]
+        # The last job's slots hold its blocks (each layer's page, in order): a fast wrong
+        # copy would not pass.
+        base = ((jobs - 1) * items) % (num_slots - items)
+        check = PoolMapping(path, pool_bytes, populate=False, pin=False)
+        slots = check.slot_view(block)[base : base + items].view(items, layers, page)
+        kv = layout.segment_view(layout.segments[0][0])[:items].cpu()
+        verified = bool(torch.equal(slots, kv))
+        del slots
+        check.close()
+    finally:
+        worker.shutdown()
+        index.close()
     later = statistics.median(times[1:])
     return {"setup_before_first_step_s": round(setup_s, 3),
             "first_job_ms": round(times[0] * 1e3, 2),
@@ -189,11 +221,12 @@ def _first_job_case(path: str, pool_bytes: int, at_creation: bool, dev: torch.de
 
 def run_first_job(device: str | None = None, quick: bool = True, *,
                   sizes: tuple[int, int, int] | None = None) -> dict[str, Any]:
-    """The first copy job after a worker is created, against later jobs: the worker maps,
-    pre-faults (CUDA: pins) the pool and puts CPU KV tensors on huge pages on background
-    threads at creation, so by its first step none of it should be left. For contrast,
-    ``mapped in the first job``: the old path, where the first job maps and pre-faults the pool
-    itself. The pool file is pre-faulted first, as the daemon leaves it."""
+    """The first copy job after our vLLM worker is created, against later jobs: with
+    ``kvoffload_pool_path`` the worker maps, pre-faults (CUDA: pins) the pool, puts CPU KV
+    tensors on huge pages and starts its copy threads at creation, so by its first step none of
+    it should be left. For contrast, ``mapped in the first job``: a worker without the setting,
+    whose first job maps and pre-faults the pool itself. The pool file is pre-faulted first,
+    as the daemon leaves it."""
     dev = pick_device(device)
     # (pool bytes, job bytes, worker lives per case); ``sizes`` for tests.
     pool_bytes, job_bytes, lives_n = sizes or (

@@ -72,6 +72,19 @@ class SlotGenerations(_Mapped):
         off = si.HEADER_BYTES + slot * si.ENTRY_BYTES + 4
         return si.SEQ.unpack_from(self.mm, off)[0] == gen & 0xFFFFFFFF
 
+    def intact_mask(self, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """``intact`` for many slots at once (a job's hundreds: ~0.5 us each one by one, on the
+        engine's step): one aligned 4-byte read per slot, as ``intact``'s, through numpy."""
+        slots = np.asarray(slots, dtype=np.int64)
+        ok = (slots >= 0) & (slots < self.num_slots)
+        if self.superseded() or not ok.any():
+            return np.zeros(len(slots), dtype=bool)
+        table = np.frombuffer(self.mm, dtype=_ENTRY_DTYPE, count=self.num_slots,
+                              offset=si.HEADER_BYTES)
+        current = table["gen"][np.where(ok, slots, 0)]
+        del table  # no view may outlive the call: close() unmaps
+        return ok & (current == (np.asarray(gens, dtype=np.int64) & 0xFFFFFFFF))
+
 
 class IndexView(_Mapped):
     """One namespace's blocks, as the daemon last published them."""

@@ -28,7 +28,7 @@ is the worst best-of ours / floor over every (page, pattern, direction); the tar
 CPU and 0.9 on CUDA. On CPU, ``native gather`` copies the shuffled store's scattered rows with
 one native torch op on one thread (no Python per block): what the access pattern itself allows.
 ``--4k-pages`` leaves the CPU KV tensors on 4 KiB pages, where small pages' scattered rows cost
-a TLB walk each (copy_cpu.KVHugePages). Bytes are checked after the last rep, so a fast wrong
+a TLB walk each (connector/transfer/cpu.py KVHugePages). Bytes are checked after the last rep, so a fast wrong
 copy cannot pass. ``first_job``: copy_checks.run_first_job.
 vLLM's own CPU offloading worker is the other baseline where it can run: it refuses to build
 without CUDA, and its copies are compiled vLLM ops (not in the pure-Python install).
@@ -41,6 +41,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -49,6 +50,7 @@ import numpy as np
 import torch
 from kvoffload.bench.copy_buffers import kv_layout, pick_device, pool_folder, timed
 from kvoffload.bench.copy_checks import run_expedited_latency, run_first_job, run_two_process_check
+from kvoffload.connector.transfer.cpu import SpreadHint
 from kvoffload.connector.transfer.engine import BlockCopier, PoolMapping
 
 __all__ = ["run_copy_bench", "run_expedited_latency", "run_first_job", "run_two_process_check"]
@@ -93,11 +95,15 @@ def _one_page(name: str, page: int, layers: int, job_bytes: int, reps: int,
         (other if cuda else host).copy_(host if cuda else floor_pool[0], non_blocking=cuda)
 
     helper = ThreadPoolExecutor(1)
+    # The helper kept off the caller's CPU, as our copier's helpers are (cpu.SpreadHint): else
+    # in about half the reps both halves ran on one core and the floor read ~0.6x its rate.
+    spread = SpreadHint([helper.submit(threading.get_native_id).result()])
 
     def memcpy2(dst: np.ndarray, src: np.ndarray) -> None:
         """Two threads, two halves: memcpy as our CPU copier does it, without OpenMP (whose
         team stalls whenever another process holds a core: torch copy_ swings 12-37 GB/s)."""
         half = len(dst) // 2
+        spread.apply()
         future = helper.submit(np.copyto, dst[half:], src[half:])
         np.copyto(dst[:half], src[:half])
         future.result()

@@ -1,16 +1,16 @@
 """The CPU copy executor: a job's views as memcpy pieces over a few threads (see
 ``CpuMemcpy``), and transparent huge pages for the KV tensors (``KVHugePages``). Used by
-``BlockCopier``'s CPU lanes; CUDA jobs go through copy_cuda.py."""
+``BlockCopier``'s CPU lanes; CUDA jobs go through cuda.py."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -23,48 +23,156 @@ _CHUNK_BYTES = 1 << 20  # CPU work unit: big enough to amortize ~1 us of Python 
 
 
 class CpuMemcpy:
-    """Runs a job as ~1 MiB memcpy pieces (``np.copyto``: a memcpy that releases the GIL) over
-    ``threads`` threads: the caller and ``threads - 1`` helpers.
+    """Runs a job as ~1 MiB memcpy pieces (``np.copyto``: a memcpy that releases the GIL) on
+    the calling thread and ``threads - 1`` persistent helper threads.
 
     The job is cut into units of about ``_CHUNK_BYTES`` (a run of blocks, or some layers of one
-    block) dealt round-robin; each thread makes its own views and copies them, so the Python
-    cost of a view (about 1 us) overlaps the other threads' copies. Two threads matter even on
-    two cores: scattered 16 KiB rows reach ~15 GB/s from one thread and ~20 from two here (more
-    misses in flight), against ~22 for one contiguous memcpy. Plain memcpy pieces never wait on
-    torch's OpenMP team: with load ~4 on 2 cores, per-row ``copy_`` reached 0.06-0.6 of a
-    contiguous copy, memcpy pieces 0.7-1.8 of it.
+    block) that every thread pulls from one shared iterator, so a helper that starts late (or
+    never gets a core) costs nothing but its share: the caller copies what is left and waits
+    only for helpers that took a unit. Two threads matter even on two cores: a 16-token
+    shuffled store reaches ~0.75x of one contiguous memcpy from one thread and ~1.0x from two
+    (measured in C on this machine), since more misses are in flight. Plain memcpy pieces never
+    wait on torch's OpenMP team: with load ~4 on 2 cores, per-row ``copy_`` reached 0.06-0.6
+    of a contiguous copy, memcpy pieces 0.7-1.8 of it.
+
+    Helpers are kept off the caller's current CPU (``SpreadHint``): measured here, a helper woken
+    by a copying thread was queued on that thread's CPU in about half the jobs and ran only
+    once the caller had copied everything (16-token jobs 1.3-1.5x slower).
     """
 
     def __init__(self, threads: int, name: str = "kvoffload-memcpy") -> None:
         self.threads = max(1, threads)
-        self._pool = (ThreadPoolExecutor(self.threads - 1, thread_name_prefix=name)
-                      if self.threads > 1 else None)
-        for _ in range(self.threads - 1):  # start the helpers now, not inside a first job
-            assert self._pool is not None
-            self._pool.submit(time.sleep, 0.001)
+        self._helpers = [_Helper(f"{name}_{i}") for i in range(self.threads - 1)]
+        self._spread = SpreadHint([h.tid for h in self._helpers])
 
     def copy(self, work: list[SegmentWork], store: bool) -> None:
         units = copy_units(work, _CHUNK_BYTES)
-        if self._pool is None or len(units) < 2:
-            _copy_units(work, units, store)
+        if not self._helpers or len(units) < 2:
+            _copy_units(work, iter(units), store)
             return
-        futures = [self._pool.submit(_copy_units, work, units[i :: self.threads], store)
-                   for i in range(1, self.threads)]
+        self._spread.apply()
+        run = _Run(work, units, store)
+        for helper in self._helpers[: len(units) - 1]:
+            helper.queue.put(run)
         try:
-            _copy_units(work, units[:: self.threads], store)
+            _copy_units(work, run.units, store)
         finally:
             # Every piece must have stopped before the job is reported, even a failed one.
-            errors = [f.exception() for f in futures]
-        for error in errors:
-            if error is not None:
-                raise error
+            run.close()
+        if run.errors:
+            raise run.errors[0]
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for helper in self._helpers:
+            helper.close()
 
 
-def _copy_units(work: list[SegmentWork], units: list[Unit], store: bool) -> None:
+class _Run:
+    """One job shared by the caller and its helpers: the units' iterator, and who is copying."""
+
+    def __init__(self, work: list[SegmentWork], units: list[Unit], store: bool) -> None:
+        self.work = work
+        self.units: Iterator[Unit] = iter(units)  # next() on it is atomic under the GIL
+        self.store = store
+        self.errors: list[BaseException] = []
+        self._cond = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    def join(self) -> bool:
+        """A helper's entry: False once the caller has taken every unit and closed the run."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._active += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """The caller's exit: no helper joins after this; waits for those copying."""
+        with self._cond:
+            self._closed = True
+            while self._active:
+                self._cond.wait()
+
+
+class _Helper:
+    """A persistent copy thread; started when the executor is built, never inside a job."""
+
+    def __init__(self, name: str) -> None:
+        self.queue: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
+        started = threading.Event()
+        self.tid = 0
+        self._thread = threading.Thread(target=self._loop, args=(started,), name=name,
+                                        daemon=True)
+        self._thread.start()
+        started.wait()
+
+    def _loop(self, started: threading.Event) -> None:
+        self.tid = threading.get_native_id()
+        started.set()
+        while (run := self.queue.get()) is not None:
+            if not run.join():
+                continue  # woken after the caller had finished: nothing left to copy
+            try:
+                _copy_units(run.work, run.units, run.store)
+            except BaseException as exc:  # handed to the caller, which fails the job
+                run.errors.append(exc)
+            finally:
+                run.leave()
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self._thread.join()
+
+
+class SpreadHint:
+    """Keeps helper threads off the CPU the calling thread runs on (a scheduling hint; the copy
+    benchmark's memcpy floor uses it too, so both sides get the same placement).
+
+    Linux tends to queue a thread woken by a running thread on that thread's CPU and, on these
+    VMs, left it there while the other core idled (a helper that just ran is "cache hot" to the
+    load balancer). Restricting the helpers' affinity to the caller's allowed CPUs minus its
+    current one makes the wake-up land elsewhere. It is re-applied only when the caller moved
+    (one ``sched_getcpu`` per job otherwise); with one allowed CPU, or where the calls are
+    missing, it does nothing. Never an error: a refused call turns the hint off, logged once.
+    """
+
+    def __init__(self, tids: list[int]) -> None:
+        self._tids = [t for t in tids if t]
+        self._last: int | None = None
+        self._getcpu: Any = None
+        if self._tids and hasattr(os, "sched_setaffinity"):
+            try:
+                self._getcpu = ctypes.CDLL(None).sched_getcpu
+            except (OSError, AttributeError):
+                self._getcpu = None
+
+    def apply(self) -> None:
+        if self._getcpu is None:
+            return
+        cpu = int(self._getcpu())
+        if cpu == self._last or cpu < 0:
+            return
+        self._last = cpu
+        try:
+            allowed = os.sched_getaffinity(0)
+            others = allowed - {cpu}
+            if not others:
+                return
+            for tid in self._tids:
+                os.sched_setaffinity(tid, others)
+        except OSError as exc:
+            logger.debug("copy threads keep their CPU affinity: %s", exc)
+            self._getcpu = None
+
+
+def _copy_units(work: list[SegmentWork], units: Iterable[Unit], store: bool) -> None:
     """The units' copies, with as little Python per unit as possible: a 16-token block is a
     ~6 us memcpy on this memory, and every microsecond of Python here holds the GIL that the
     other copy threads need to start theirs (a generator over ``unit_views`` cost 15-20 % of
@@ -92,26 +200,42 @@ def _copy_units(work: list[SegmentWork], units: list[Unit], store: bool) -> None
 
 
 class CpuLane:
-    """One thread running one lane's jobs in submission order."""
+    """One thread running one lane's jobs in submission order, with its own helpers.
 
-    def __init__(self, name: str, threads: int, run: Any) -> None:
+    A lane outlives the copiers that use it: a worker builds its lanes when it is created, so
+    the threads are running before the first step and survive a daemon restart's new copier
+    (starting them inside a first job cost ~1 ms of it)."""
+
+    def __init__(self, name: str, threads: int) -> None:
         self.memcpy = CpuMemcpy(threads, name)
-        self._run = run
-        self._queue: queue.Queue[Any] = queue.Queue()
+        self._queue: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, job: Any) -> None:
-        self._queue.put(job)
+    def put(self, run: Any, job: Any) -> None:
+        """Run ``run(job, memcpy)`` on this lane's thread after the jobs before it."""
+        self._queue.put((run, job))
 
     def _loop(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self._run(job, self.memcpy)
+        while (entry := self._queue.get()) is not None:
+            run, job = entry
+            run(job, self.memcpy)
 
     def close(self) -> None:
+        """Finish the queued jobs, then stop the threads."""
         self._queue.put(None)
         self._thread.join()
         self.memcpy.close()
+
+
+def default_cpu_threads() -> int:
+    """Copy threads per lane: the CPUs this process may use (its affinity, which a container's
+    cpuset or vLLM's thread binding narrows), at most torch's thread count and 8."""
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), allowed, 8))
 
 
 _MADV_HUGEPAGE = 14

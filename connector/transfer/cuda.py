@@ -1,4 +1,4 @@
-"""CUDA execution of a copy plan (copy_plan.py), three ways, best first.
+"""CUDA execution of a copy plan (plan.py), three ways, best first.
 
 * ``batch``: the whole job as ONE ``cuMemcpyBatchAsync`` (driver API, CUDA >= 12.8) on the job's
   stream. Called through ctypes on ``libcuda.so.1`` with the numpy pointer arrays of

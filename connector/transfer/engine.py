@@ -6,7 +6,7 @@ Slot layout (see ``layout.py``): rank ``r``'s page starts at ``r * rank_bytes`` 
 (``rank_bytes = slot_bytes // tp_world_size``); the group's block is the concatenation of its
 regions from the page start.
 
-Both devices share the planning (copy_plan.py): items are validated (a bad job copies nothing
+Both devices share the planning (plan.py): items are validated (a bad job copies nothing
 and is reported ``ok=False``), grouped per KV group and per ``Segment`` (the regions one strided
 view covers: usually every layer of the group), so a job is a handful of 3-D views, not one
 copy per block and layer. Jobs run on three lanes, so an expedited load never waits behind
@@ -16,11 +16,13 @@ regular loads or stores, and loads never wait behind stores:
   stream wait on the caller's current stream (a store must not read KV the compute stream has
   not finished writing; a load must not race earlier writes such as the zeroing of a fresh
   block): a stream-to-stream dependency, not a host sync. The copies are one
-  ``cuMemcpyBatchAsync`` per job where the driver has it, else device gathers (copy_cuda.py).
+  ``cuMemcpyBatchAsync`` per job where the driver has it, else device gathers (cuda.py).
   Completion and timing come from a pair of CUDA events per job.
-* CPU: KV tensors onto huge pages at construction (copy_cpu.KVHugePages); one thread per
-  lane, copying ~1 MiB memcpy pieces (numpy views; a memcpy that releases the GIL) with a few
-  helper threads. Not ``Tensor.copy_`` (it forks and joins torch's OpenMP team, which stalls
+* CPU: KV tensors onto huge pages at construction (cpu.KVHugePages); one thread per lane,
+  copying ~1 MiB memcpy pieces (numpy views; a memcpy that releases the GIL) that it and its
+  helper threads pull from one shared list (cpu.CpuMemcpy), the helpers kept off its CPU
+  (cpu.SpreadHint). Lanes can outlive a copier (``build_cpu_lanes``: a worker starts them at
+  creation). Not ``Tensor.copy_`` (it forks and joins torch's OpenMP team, which stalls
   whenever another process holds a core) nor ``index_copy_`` (int8 rows element by element:
   2 GB/s against 20). ``cpu_async=False`` copies inside ``submit_*`` (simplest in tests).
 
@@ -32,7 +34,6 @@ the copier is built, i.e. at registration, never inside a step.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Container, Iterable, Sequence
@@ -43,7 +44,7 @@ import numpy as np
 import numpy.ma  # noqa: F401  np.unique imports it lazily: ~10 ms that would land on a first job
 import torch
 from kvoffload.connector.metrics import get_metrics
-from kvoffload.connector.transfer.cpu import CpuLane, CpuMemcpy, KVHugePages
+from kvoffload.connector.transfer.cpu import CpuLane, CpuMemcpy, KVHugePages, default_cpu_threads
 from kvoffload.connector.transfer.cuda import CudaLauncher
 from kvoffload.connector.transfer.layout import (
     KVLayout,
@@ -56,12 +57,14 @@ from kvoffload.connector.transfer.pool_map import MappingTask, PoolMapping
 
 __all__ = [
     "BlockCopier",
+    "CpuLane",
     "CopyResult",
     "GeometryError",
     "KVLayout",
     "MappingTask",
     "PoolMapping",
     "RefusedCopier",
+    "build_cpu_lanes",
     "check_geometry",
     "group_bytes_per_block",
     "items_for_groups",
@@ -74,6 +77,12 @@ STORE = "store"
 LOAD = "load"
 EXPEDITED = "expedited"  # the lane of expedited loads (direction LOAD)
 LANES = (STORE, LOAD, EXPEDITED)
+
+
+def build_cpu_lanes(rank: int = 0, threads: int | None = None) -> dict[str, CpuLane]:
+    """The CPU lanes (threads started now) that one or more successive copiers can share."""
+    n = threads or default_cpu_threads()
+    return {lane: CpuLane(f"kvoffload-{lane}-r{rank}", n) for lane in LANES}
 
 
 class GeometryError(ValueError):
@@ -136,6 +145,7 @@ class BlockCopier:
         registry: Any = None,
         cuda_backend: str = "auto",
         kv_huge_pages: bool = True,
+        cpu_lanes: dict[str, CpuLane] | None = None,
     ) -> None:
         reason = check_geometry(layout, rank, tp_world_size, slot_bytes, mapping.size)
         if reason is not None:
@@ -162,9 +172,10 @@ class BlockCopier:
         self._rejected: list[CopyResult] = []  # jobs that never got an in-flight entry
         self._streams: dict[str, Any] = {}
         self._lanes: dict[str, CpuLane] = {}
+        self._own_lanes = False  # lanes handed in (a worker's) outlive this copier
         self._sync_memcpy: CpuMemcpy | None = None
         self._launcher: CudaLauncher | None = None
-        # CPU KV tensors onto huge pages, in the background (copy_cpu.KVHugePages: why).
+        # CPU KV tensors onto huge pages, in the background (cpu.KVHugePages: why).
         self.huge_pages = (KVHugePages.for_tensors(layout.tensors)
                            if kv_huge_pages and not self._cuda else None)
         if self._cuda:
@@ -172,12 +183,12 @@ class BlockCopier:
             self._streams = {STORE: torch.cuda.Stream(dev), LOAD: torch.cuda.Stream(dev),
                              EXPEDITED: torch.cuda.Stream(dev, priority=-1)}
         else:
-            n = cpu_threads or min(torch.get_num_threads(), os.cpu_count() or 1, 8)
-            if cpu_async:
-                self._lanes = {lane: CpuLane(f"kvoffload-{lane}-r{rank}", n, self._run_cpu)
-                               for lane in LANES}
+            if cpu_async and cpu_lanes is not None:
+                self._lanes = cpu_lanes
+            elif cpu_async:
+                self._lanes, self._own_lanes = build_cpu_lanes(rank, cpu_threads), True
             else:
-                self._sync_memcpy = CpuMemcpy(n)
+                self._sync_memcpy = CpuMemcpy(cpu_threads or default_cpu_threads())
         # Ids of load jobs to expedite, for a caller whose submit path cannot pass the flag
         # (the vLLM worker sets it to the set its submit_load fills).
         self.expedited_jobs: Container[int] = frozenset()
@@ -194,12 +205,12 @@ class BlockCopier:
 
     # ---- submission ---------------------------------------------------------------------
 
-    def submit_store(self, job_id: int, items: Iterable[Sequence[int]]) -> bool:
+    def submit_store(self, job_id: int, items: Iterable[Sequence[int]] | np.ndarray) -> bool:
         """Copy KV blocks into pool slots. Returns False if the job was rejected (it is still
         reported by ``get_finished``, with ok=False). Never raises for a job."""
         return self._submit(job_id, STORE, STORE, items)
 
-    def submit_load(self, job_id: int, items: Iterable[Sequence[int]],
+    def submit_load(self, job_id: int, items: Iterable[Sequence[int]] | np.ndarray,
                     expedited: bool = False) -> bool:
         """Copy pool slots into KV blocks. Same contract as ``submit_store``; an expedited
         load (``expedited=True``, or its id in ``expedited_jobs``) runs on its own lane, never
@@ -208,7 +219,7 @@ class BlockCopier:
         return self._submit(job_id, LOAD, EXPEDITED if fast else LOAD, items)
 
     def _submit(self, job_id: int, direction: str, lane: str,
-                items: Iterable[Sequence[int]]) -> bool:
+                items: Iterable[Sequence[int]] | np.ndarray) -> bool:
         if self._closed or job_id in self._inflight:
             # A caller bug (two results with one id could not be told apart), or a job after
             # shutdown: reported as failed, never raised into the engine's step.
@@ -233,16 +244,19 @@ class BlockCopier:
         if self._cuda:
             self._launch_cuda(job)
         elif self._lanes:
-            self._lanes[lane].put(job)
+            self._lanes[lane].put(self._run_cpu, job)
         else:
             assert self._sync_memcpy is not None
             self._run_cpu(job, self._sync_memcpy)
         return True
 
-    def _check_items(self, items: Iterable[Sequence[int]], direction: str) -> np.ndarray | str:
-        """Validate every item before any byte moves, so a bad job corrupts nothing."""
+    def _check_items(self, items: Iterable[Sequence[int]] | np.ndarray, direction: str
+                     ) -> np.ndarray | str:
+        """Validate every item before any byte moves, so a bad job corrupts nothing. Vectorized
+        (an ``(n, 3)`` array passes without a copy): it runs on the engine's step."""
         try:
-            arr = np.asarray(list(items), dtype=np.int64)
+            arr = np.asarray(items if isinstance(items, np.ndarray) else list(items),
+                             dtype=np.int64)
         except (TypeError, ValueError, OverflowError) as exc:
             return f"items are not integer triples ({exc})"
         if arr.size == 0:
@@ -257,10 +271,11 @@ class BlockCopier:
         if slots.min() < 0 or slots.max() >= self.num_slots:
             return f"slot outside [0, {self.num_slots})"
         # Two items writing the same destination would make the result depend on copy order.
-        if direction == STORE and len(np.unique(slots)) != len(slots):
-            return "a slot appears twice in one store"
-        if direction == LOAD and len(np.unique(arr[:, :2], axis=0)) != len(arr):
-            return "a (group, block) appears twice in one load"
+        dest = slots if direction == STORE else groups * self.layout.num_blocks + blocks
+        ordered = np.sort(dest)
+        if bool((ordered[1:] == ordered[:-1]).any()):
+            return ("a slot appears twice in one store" if direction == STORE
+                    else "a (group, block) appears twice in one load")
         return arr
 
     def _plan(self, arr: np.ndarray, store: bool) -> list[SegmentWork]:
@@ -353,8 +368,12 @@ class BlockCopier:
         if self._closed:
             return
         self._closed = True
-        for lane in self._lanes.values():
-            lane.close()
+        if self._own_lanes:
+            for lane in self._lanes.values():
+                lane.close()
+        for job in self._inflight.values():  # shared lanes: wait for this copier's jobs
+            if not self._cuda:
+                job.done.wait()
         for stream in self._streams.values():
             stream.synchronize()
         if self._sync_memcpy is not None:
@@ -381,7 +400,7 @@ class RefusedCopier:
         self._results.append(CopyResult(job_id, False, 0, 0.0))
         return False
 
-    def submit_store(self, job_id: int, items: Iterable[Sequence[int]]) -> bool:
+    def submit_store(self, job_id: int, items: Iterable[Sequence[int]] | np.ndarray) -> bool:
         return self._refuse(job_id)
 
     def submit_load(self, job_id: int, items: Iterable[Sequence[int]],

@@ -255,17 +255,23 @@ def group_bytes_per_block(kv_caches: Any) -> list[int]:
 
 
 def items_for_groups(
-    block_ids: Sequence[int], group_sizes: Sequence[int], slots: Sequence[int]
-) -> list[tuple[int, int, int]]:
-    """Pair vLLM's grouped block ids (``GPULoadStoreSpec.block_ids``/``group_sizes``) with slots.
+    block_ids: Sequence[int] | np.ndarray, group_sizes: Sequence[int] | None,
+    slots: Sequence[int] | np.ndarray,
+) -> np.ndarray:
+    """Pair vLLM's grouped block ids (``GPULoadStoreSpec.block_ids``/``group_sizes``) with slots:
+    an ``(n, 3)`` int64 array of ``(group_idx, block_id, slot)`` rows, in the spec's order.
 
     ``block_ids`` lists group 0's blocks, then group 1's, ...; with one block per chunk the
-    i-th block belongs to the i-th key, whose pool slot is ``slots[i]``.
+    i-th block belongs to the i-th key, whose pool slot is ``slots[i]``. ``group_sizes=None``
+    is one group. Built with numpy: a job has hundreds of items and this runs on the step.
     """
-    if sum(group_sizes) != len(block_ids) or len(slots) != len(block_ids):
+    blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    where = np.asarray(slots, dtype=np.int64).reshape(-1)
+    sizes = np.asarray([len(blocks)] if group_sizes is None else group_sizes, dtype=np.int64)
+    if (sizes < 0).any() or int(sizes.sum()) != len(blocks) or len(where) != len(blocks):
         raise ValueError("block_ids, group_sizes and slots disagree in length")
-    groups = [g for g, n in enumerate(group_sizes) for _ in range(n)]
-    return [(g, int(b), int(s)) for g, b, s in zip(groups, block_ids, slots, strict=True)]
+    groups = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    return np.stack([groups, blocks, where], axis=1)
 
 
 def block_run_arrays(blocks: np.ndarray, slots: np.ndarray, by_slot: bool = False

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 from kvoffload.connector.index_view import IndexGone, SlotGenerations
 from kvoffload.connector.transfer.cpu import KVHugePages
 from kvoffload.connector.transfer.engine import (
     BlockCopier,
     CopyResult,
+    CpuLane,
     GeometryError,
     MappingTask,
     RefusedCopier,
+    build_cpu_lanes,
     check_geometry,
     items_for_groups,
     layout_from_canonical,
@@ -62,8 +65,8 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self.failed_requests: set[str] = set()
         self._gens: SlotGenerations | None = None
         self._gens_path = ""
-        # Load jobs to verify once copied: job -> (request, expedited, [(slot, gen)]).
-        self._verify: dict[int, tuple[str | None, bool, list[tuple[int, int]]]] = {}
+        # Load jobs to verify once copied: job -> (request, expedited, slots, gens).
+        self._verify: dict[int, tuple[str | None, bool, np.ndarray, np.ndarray]] = {}
         self.layout = layout_from_canonical(kv_caches)
         self.rank = rank
         self.tp_world_size = tp_world_size
@@ -82,9 +85,13 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._task: MappingTask | None = (
             MappingTask(pool_path, label=f" worker rank {rank}", device=self.layout.device)
             if pool_path else None)
-        # CPU KV tensors onto huge pages now, in the background too (copy_cpu.KVHugePages).
-        self._huge_pages = (KVHugePages.for_tensors(self.layout.tensors)
-                            if self.layout.device.type == "cpu" else None)
+        # CPU KV tensors onto huge pages now, in the background too (transfer/cpu.py KVHugePages).
+        cpu = self.layout.device.type == "cpu"
+        self._huge_pages = KVHugePages.for_tensors(self.layout.tensors) if cpu else None
+        # The copy threads start now too, and serve every copier this worker builds (a
+        # restarted daemon's pool gets a new copier, not new threads).
+        self._lanes: dict[str, CpuLane] | None = (
+            build_cpu_lanes(rank) if cpu and cpu_async else None)
 
     def _copier_for(self, pool: PoolInfo) -> BlockCopier | RefusedCopier:
         """The copier for ``pool``; never raises (a pool it cannot use fails every job)."""
@@ -111,7 +118,8 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             self._mapping = task.wait_ready()  # at once when mapped at creation
             self._copier = BlockCopier(self._mapping, self.layout, self.rank, self.tp_world_size,
                                        pool.slot_bytes, self.layout.device,
-                                       cpu_async=self.cpu_async, kv_huge_pages=False)
+                                       cpu_async=self.cpu_async, kv_huge_pages=False,
+                                       cpu_lanes=self._lanes)
             self._copier.expedited_jobs = self._expedited
         except (OSError, ValueError, RuntimeError) as exc:  # GeometryError is a ValueError
             log.error("kvoffload worker rank %d: cannot copy with pool %s; its jobs fail: %s",
@@ -147,15 +155,15 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             self._gens_path = pool.index_path
         return self._gens
 
-    def _intact(self, pool: PoolInfo | None, pairs: list[tuple[int, int]]) -> bool:
-        gens = self._generations(pool) if pool is not None else None
-        return gens is not None and all(gens.intact(slot, gen) for slot, gen in pairs)
+    def _intact(self, pool: PoolInfo | None, slots: np.ndarray, gens: np.ndarray) -> bool:
+        view = self._generations(pool) if pool is not None else None
+        return view is not None and bool(view.intact_mask(slots, gens).all())
 
     def _result(self, r: CopyResult) -> TransferResult:
         ok = r.ok
         check = self._verify.pop(r.job_id, None)
         if check is not None and ok:
-            ok = self._intact(self._pool, check[2])  # after the copy: nobody wrote meanwhile
+            ok = self._intact(self._pool, check[2], check[3])  # after the copy: nobody wrote
             if not ok:
                 log.error("kvoffload load job %d: a slot went to another writer during the "
                           "copy", r.job_id)
@@ -184,35 +192,38 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 store: bool, expedited: bool = False) -> bool:
         assert isinstance(pool_spec, PoolSlotsSpec), f"not our spec: {pool_spec!r}"
         pool = pool_spec.pool
-        gen_of = dict(zip(pool_spec.slots, pool_spec.gens, strict=False))
         try:
-            items = [it for it in items_for_groups(gpu.block_ids, gpu.group_sizes,
-                                                   pool_spec.slots) if it[2] >= 0]
+            # (group, block, slot) rows in the spec's order; gens[i] is row i's generation.
+            items = items_for_groups(gpu.block_ids, gpu.group_sizes, pool_spec.slots)
+            gens = np.asarray(pool_spec.gens, dtype=np.int64).reshape(-1)
+            if len(gens) != len(items):
+                raise ValueError("slots and gens disagree in length")
         except ValueError as exc:  # blocks and slots disagree: a bug, reported, never raised
             log.error("kvoffload job %d: %s", job_id, exc)
             self._done.append(TransferResult(job_id=job_id, success=False) if store else
                               self._failed_load(job_id, pool_spec.req_id, expedited))
             return True
+        placed = items[:, 2] >= 0
         if store:
             # Write only into slots still reserved for us at the spec's generation; a slot
             # lost meanwhile is not written (its commit is refused: never readable).
-            gens = self._generations(pool) if pool is not None else None
-            items = [it for it in items if gens is not None and gens.intact(it[2], gen_of[it[2]])]
-            if not items or pool is None:
+            view = self._generations(pool) if pool is not None else None
+            if view is not None:
+                items = items[placed & view.intact_mask(items[:, 2], gens)]
+            if view is None or pool is None or not len(items):
                 self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=0,
                                                  transfer_time=0.0))
                 return True
             self._copier_for(pool).submit_store(job_id, items)
             return True
-        pairs = [(it[2], gen_of[it[2]]) for it in items]
-        if pool is None or -1 in pool_spec.slots or not self._intact(pool, pairs):
+        if pool is None or not placed.all() or not self._intact(pool, items[:, 2], gens):
             # A key without a slot, or a slot already handed on: its bytes are not there.
             log.error("kvoffload load job %d (request %s): blocks no longer in the pool",
                       job_id, pool_spec.req_id)
             self._done.append(self._failed_load(job_id, pool_spec.req_id, expedited))
             return True
         copier = self._copier_for(pool)
-        self._verify[job_id] = (pool_spec.req_id, expedited, pairs)
+        self._verify[job_id] = (pool_spec.req_id, expedited, items[:, 2], gens)
         # A job the copier rejects (a slot or block id out of range: a bug, never a daemon
         # fault) is still reported by get_finished, as failed. Submission always succeeds.
         copier.submit_load(job_id, items)
@@ -245,6 +256,9 @@ class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._close_copier()
+        for lane in (self._lanes or {}).values():
+            lane.close()
+        self._lanes = None
         if self._task is not None:
             self._task.close()  # unmaps a pool mapped at creation but never used
             self._task = None

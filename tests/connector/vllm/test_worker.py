@@ -99,6 +99,12 @@ def test_pool_mapped_at_creation_and_kept_across_restart(
     monkeypatch.setattr(PoolMapping, "_populate", slow_populate)
     w = DaemonOffloadingWorker(canonical(), 0, 1, pool_path=path)
     assert w._task is not None and not w._task.ready  # creation did not wait for it
+    # The copy threads run from creation, before any job and before the pool is mapped.
+    assert w._lanes is not None
+    lane_threads = {t.name for t in threading.enumerate() if t.name.startswith("kvoffload-")
+                    and t.name.endswith("-r0")}
+    assert {"kvoffload-store-r0", "kvoffload-load-r0", "kvoffload-expedited-r0"} <= lane_threads
+    lanes = dict(w._lanes)
     gate.set()
     mapped = w._task.wait_ready(30)
     assert REGISTRY.get_sample_value("kvoffload_worker_pin_seconds") == w._task.seconds
@@ -112,7 +118,9 @@ def test_pool_mapped_at_creation_and_kept_across_restart(
     assert [(r.job_id, r.success) for r in store(w, 3, pools.info("d3"))] == [(3, True)]
     assert w._mapping is not mapped and not mapped.same_file(path, SLOT_BYTES * SLOTS)
     assert bytes(w._mapping.tensor[3 * SLOT_BYTES : 3 * SLOT_BYTES + 4].numpy()) != b"\x5a" * 4
+    assert w._lanes == lanes  # three copiers, one set of threads
     w.shutdown()
+    assert not any(t.name == "kvoffload-store-r0" for t in threading.enumerate())
 
 
 def test_impossible_geometry_refused_at_creation_in_one_line() -> None:

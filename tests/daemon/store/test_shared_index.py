@@ -70,6 +70,24 @@ def test_generations_and_supersession(path: Path) -> None:
     w.close(remove=False)
 
 
+def test_generations_of_many_slots_at_once_agree_with_one_by_one(path: Path) -> None:
+    import numpy as np
+
+    w = si.SharedIndexWriter(path, 16, "d1")
+    for slot in range(16):
+        w.write(slot, (slot * 7) % 5 + (1 << 32 if slot == 3 else 0), 0, si.READY, 0, _key(slot))
+    gens = SlotGenerations(path, "d1")
+    slots = np.array([0, 3, 5, 15, 16, -1, 7, 3], dtype=np.int64)
+    asked = np.array([0, 1, 0, 0, 0, 0, 3, 2], dtype=np.int64)  # slot 3 wrapped: gen 1
+    want = [gens.intact(int(s), int(g)) for s, g in zip(slots, asked, strict=True)]
+    assert want == [True, True, True, True, False, False, False, False]
+    assert gens.intact_mask(slots, asked).tolist() == want
+    assert si.supersede(path)
+    assert not gens.intact_mask(slots, asked).any()  # a superseded index proves nothing
+    gens.close()  # no view of the mapping outlives a call
+    w.close(remove=False)
+
+
 def test_shared_memory_per_block_stays_under_64_bytes(path: Path) -> None:
     slots = 100_000
     w = si.SharedIndexWriter(path, slots, "d1")
