@@ -7,6 +7,7 @@ latency after a worker's creation (the mapping and pre-faulting must not land on
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import tempfile
@@ -197,7 +198,7 @@ def _first_job_case(path: str, pool_bytes: int, at_creation: bool, dev: torch.de
             raise RuntimeError(f"copy failed: {done}")
 
     try:
-        times = [timed(lambda j=j: job(j), dev) for j in range(jobs)]
+        times = [timed(functools.partial(job, j), dev) for j in range(jobs)]
         # The last job's slots hold its blocks (each layer's page, in order): a fast wrong
         # copy would not pass.
         base = ((jobs - 1) * items) % (num_slots - items)

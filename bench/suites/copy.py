@@ -179,7 +179,7 @@ def _one_page(name: str, page: int, layers: int, job_bytes: int, reps: int,
             for (_, b, _), (_, b2, _) in zip(*patterns["shuffled"], strict=True)
             for i in range(layers)
         )
-        backend = copier.cuda_backend
+        used_backend = copier.cuda_backend
         pinned = mapping.pinned
         huge = copier.huge_pages is not None and copier.huge_pages.collapsed_bytes > 0
         floor_pool.clear()
@@ -217,7 +217,7 @@ def _one_page(name: str, page: int, layers: int, job_bytes: int, reps: int,
                        / times[f"{p} {d}"][r] for r in range(len(times[f"{p} {d}"]))]
             paired[f"{p} {d}"] = round(statistics.median(per_rep), 3)
     out |= {"ratios_paired": paired, "worst_paired": min(paired.values())}
-    return out | {"verified": verified, "pinned": pinned, "cuda_backend": backend,
+    return out | {"verified": verified, "pinned": pinned, "cuda_backend": used_backend,
                   "kv_huge_pages": huge}
 
 
