@@ -145,20 +145,96 @@ def _canonical(layout: KVLayout) -> Any:
     return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
 
 
+class _PiecesWorker:
+    """Where vLLM is not installed (the GPU script's machines): what ``DaemonOffloadingWorker``
+    does, from the same pieces (MappingTask, KVHugePages and lanes at creation; a BlockCopier
+    for the pool at the first job), so the pinning's place can still be measured there."""
+
+    def __init__(self, layout: KVLayout, path: str, pool_bytes: int, at_creation: bool,
+                 block: int) -> None:
+        from kvoffload.connector.transfer.cpu import KVHugePages
+        from kvoffload.connector.transfer.engine import build_cpu_lanes
+        from kvoffload.connector.transfer.pool_map import MappingTask
+
+        self.layout, self.path, self.pool_bytes, self.block = layout, path, pool_bytes, block
+        cpu = layout.device.type == "cpu"
+        self._task = (MappingTask(path, pool_bytes, device=layout.device) if at_creation
+                      else None)
+        self._huge_pages = KVHugePages.for_tensors(layout.tensors) if cpu else None
+        self._lanes = build_cpu_lanes() if cpu else None
+        self._copier: BlockCopier | None = None
+        self._mapping: PoolMapping | None = None
+
+    def _copier_for(self, pool: Any) -> BlockCopier:
+        if self._copier is None:
+            self._mapping = (self._task.wait_ready() if self._task is not None else
+                             PoolMapping(self.path, self.pool_bytes, populate=True))
+            self._copier = BlockCopier(self._mapping, self.layout, 0, 1, self.block,
+                                       self.layout.device, kv_huge_pages=False,
+                                       cpu_lanes=self._lanes)
+        return self._copier
+
+    def store(self, job: int, blocks: list[int], slots: list[int], info: Any) -> tuple[bool, int]:
+        copier = self._copier_for(info)
+        copier.submit_store(job, np.array([(0, b, s) for b, s in zip(blocks, slots,
+                                                                      strict=True)]))
+        copier.wait([job])
+        done = copier.get_finished()
+        return len(done) == 1 and done[0].ok, done[0].nbytes if done else 0
+
+    def shutdown(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
+        for lane in (self._lanes or {}).values():
+            lane.close()
+        if self._mapping is not None:
+            self._mapping.close()
+        elif self._task is not None:
+            self._task.close()
+
+
+class _VllmWorker:
+    """Our ``DaemonOffloadingWorker`` over vLLM's ``CanonicalKVCaches``, called as vLLM's
+    connector calls it (submit_store, wait, get_finished)."""
+
+    def __init__(self, layout: KVLayout, path: str, pool_bytes: int, at_creation: bool,
+                 block: int) -> None:
+        from kvoffload.connector.vllm.worker import DaemonOffloadingWorker
+
+        self.worker = DaemonOffloadingWorker(_canonical(layout), 0, 1,
+                                             pool_path=path if at_creation else None)
+        self._task, self._huge_pages = self.worker._task, self.worker._huge_pages
+
+    def _copier_for(self, pool: Any) -> Any:
+        return self.worker._copier_for(pool)
+
+    def store(self, job: int, blocks: list[int], slots: list[int], info: Any) -> tuple[bool, int]:
+        from kvoffload.connector.vllm.load_spec import PoolSlotsSpec
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+        self.worker.submit_store(job, GPULoadStoreSpec(blocks, [len(blocks)], [0]),
+                                 PoolSlotsSpec(slots, info))
+        self.worker.wait({job})
+        done = self.worker.get_finished()
+        return len(done) == 1 and done[0].success, int(done[0].transfer_size or 0) if done else 0
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
 def _first_job_case(path: str, pool_bytes: int, at_creation: bool, dev: torch.device,
                     jobs: int = 6, job_bytes: int = 48 << 20) -> dict[str, Any]:
     """One life of our vLLM worker (``DaemonOffloadingWorker``, called as vLLM's connector calls
-    it): created (``at_creation``: with ``kvoffload_pool_path``, so it maps the pool, puts CPU
-    KV tensors on huge pages and starts its copy threads then; done by its first step, as
-    vLLM's warm-up takes seconds), then ``jobs`` 48 MiB stores, each timed from cold caches;
-    the first also builds the worker's copier for the pool its spec names."""
+    it; ``_PiecesWorker`` where vLLM is not installed): created (``at_creation``: with
+    ``kvoffload_pool_path``, so it maps the pool, puts CPU KV tensors on huge pages and starts
+    its copy threads then; done by its first step, as vLLM's warm-up takes seconds), then
+    ``jobs`` 48 MiB stores, each timed from cold caches; the first also builds the copier for
+    the pool its spec names."""
     import uuid
 
     from kvoffload.bench.copy_buffers import timed
-    from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
-    from kvoffload.connector.vllm.worker import DaemonOffloadingWorker
+    from kvoffload.connector.vllm.load_spec import PoolInfo
     from kvoffload.daemon.store.shared_index import SharedIndexWriter
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     layers, page = 8, 16 << 10
     block = layers * page
@@ -168,34 +244,26 @@ def _first_job_case(path: str, pool_bytes: int, at_creation: bool, dev: torch.de
     daemon_id = uuid.uuid4().hex[:12]
     index = SharedIndexWriter(f"{path}.{daemon_id}.index", num_slots, daemon_id)  # gens 0
     info = PoolInfo(daemon_id, path, pool_bytes, block, block, f"{path}.{daemon_id}.index")
+    driver = _VllmWorker if _has_vllm() else _PiecesWorker
     t0 = time.perf_counter()
-    worker = DaemonOffloadingWorker(_canonical(layout), 0, 1,
-                                    pool_path=path if at_creation else None)
+    worker = driver(layout, path, pool_bytes, at_creation, block)
     if worker._task is not None:  # what vLLM's warm-up leaves time for
         worker._task.wait_ready()
     if worker._huge_pages is not None and at_creation:
         worker._huge_pages.wait()
     setup_s = time.perf_counter() - t0 if at_creation else 0.0
     build_s: list[float] = []  # the copier's construction for the spec's pool, in job 1
-    real_copier_for = worker._copier_for
-
-    def copier_for(pool: PoolInfo) -> Any:
-        t = time.perf_counter()
-        try:
-            return real_copier_for(pool)
-        finally:
-            build_s.append(time.perf_counter() - t)
-
-    worker._copier_for = copier_for  # type: ignore[method-assign]  # timing only
 
     def job(j: int) -> None:
         base = (j * items) % (num_slots - items)  # other slots each job
-        spec = PoolSlotsSpec(list(range(base, base + items)), info)
-        worker.submit_store(j + 1, GPULoadStoreSpec(list(range(items)), [items], [0]), spec)
-        worker.wait({j + 1})
-        done = worker.get_finished()
-        if len(done) != 1 or not done[0].success or done[0].transfer_size != items * block:
-            raise RuntimeError(f"copy failed: {done}")
+        if not build_s:
+            t = time.perf_counter()
+            worker._copier_for(info)
+            build_s.append(time.perf_counter() - t)
+        ok, nbytes = worker.store(j + 1, list(range(items)), list(range(base, base + items)),
+                                  info)
+        if not ok or nbytes != items * block:
+            raise RuntimeError(f"copy failed: ok={ok}, {nbytes} B")
 
     try:
         times = [timed(functools.partial(job, j), dev) for j in range(jobs)]
@@ -212,12 +280,21 @@ def _first_job_case(path: str, pool_bytes: int, at_creation: bool, dev: torch.de
         worker.shutdown()
         index.close()
     later = statistics.median(times[1:])
-    return {"setup_before_first_step_s": round(setup_s, 3),
+    return {"driver": driver.__name__.strip("_"),
+            "setup_before_first_step_s": round(setup_s, 3),
             "first_job_ms": round(times[0] * 1e3, 2),
             "of_which_copier_build_ms": round(build_s[0] * 1e3, 2),
             "later_jobs_p50_ms": round(later * 1e3, 2),
             "first_over_later": round(times[0] / later, 2), "job_bytes": items * block,
             "verified": verified}
+
+
+def _has_vllm() -> bool:
+    try:
+        import vllm.v1.kv_offload.base  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def run_first_job(device: str | None = None, quick: bool = True, *,
@@ -244,7 +321,8 @@ def run_first_job(device: str | None = None, quick: bool = True, *,
             lives = [_first_job_case(path, pool_bytes, at_creation, dev, job_bytes=job_bytes)
                      for _ in range(lives_n)]
             out[case] = {k: round(statistics.median(life[k] for life in lives), 3)
-                         for k in lives[0] if k not in ("job_bytes", "verified")}
+                         for k in lives[0] if k not in ("job_bytes", "verified", "driver")}
+            out[case]["driver"] = lives[0]["driver"]
             out[case]["verified"] = all(life["verified"] for life in lives)
             out[case]["lives"] = [life["first_over_later"] for life in lives]
         out["job_bytes"] = lives[0]["job_bytes"]

@@ -3,6 +3,7 @@ whose bytes it checked (the GPU script runs the same code on CUDA)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kvoffload.bench.suites import copy as bench
 
@@ -29,11 +30,20 @@ def test_processes_sharing_one_pool_check_each_others_pages() -> None:
     assert {int(k) for k in r["ranks"]} == {0, 1}
 
 
-def test_first_job_check_runs_both_worker_lives_and_verifies() -> None:
+@pytest.mark.parametrize("with_vllm", [True, False])
+def test_first_job_check_runs_both_worker_lives_and_verifies(
+        with_vllm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvoffload.bench import copy_checks
+
+    if not with_vllm:  # the GPU script's machines: the same pieces, without vLLM's classes
+        monkeypatch.setattr(copy_checks, "_has_vllm", lambda: False)
+    elif not copy_checks._has_vllm():
+        pytest.skip("vLLM is not installed")
     r = bench.run_first_job(sizes=(64 << 20, 4 << 20, 2))
     for case in ("mapped at creation", "mapped in the first job"):
         life = r[case]
         assert life["verified"], r
+        assert life["driver"] == ("VllmWorker" if with_vllm else "PiecesWorker")
         assert len(life["lives"]) == 2
         assert life["first_job_ms"] > 0 and life["later_jobs_p50_ms"] > 0
     # Mapping at creation happens before the first step; the old path has none of it there.
