@@ -3,6 +3,7 @@
 #
 #   bash scripts/typecheck.sh                     # everything (what CI runs)
 #   bash scripts/typecheck.sh daemon/config.py    # some files or folders (repo paths)
+#   bash scripts/typecheck.sh --warn-unused-ignores   # options go to mypy
 #
 # Why a script: the import names map to top-level folders (daemon/ -> kvoffload.daemon, see
 # ROOTS in setup.py), which setuptools' editable finder resolves at run time but mypy cannot
@@ -67,9 +68,10 @@ done
 SED+=(-e "s#$TREE/kvoffload/#kvoffload/#g")
 
 # Repo paths given on the command line -> the same files inside the tree.
+flags=()  # mypy options pass through (e.g. --warn-unused-ignores)
 targets=()
 for arg in "$@"; do
-  case "$arg" in -*) targets+=("$arg"); continue ;; esac
+  case "$arg" in -*) flags+=("$arg"); continue ;; esac
   rel=${arg#./}
   mapped=
   for line in "${ROOTS[@]}"; do
@@ -86,7 +88,8 @@ done
 [ "${#targets[@]}" -gt 0 ] || targets=(-p kvoffload)
 
 set +e
-MYPYPATH=$TREE${MYPYPATH:+:$MYPYPATH} "$MYPY" --explicit-package-bases "${targets[@]}" \
+MYPYPATH=$TREE${MYPYPATH:+:$MYPYPATH} "$MYPY" --explicit-package-bases ${flags[@]+"${flags[@]}"} \
+  "${targets[@]}" \
   | sed "${SED[@]}"
 rc=${PIPESTATUS[0]}
 exit "$rc"
