@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,7 @@ class Server(ControlFrames, ServerStartup):
                                       registry=self.metrics.registry)
         self.loop_lag = LoopLagMonitor(self.metrics)
         self.parked = ParkedLookups()  # lookups waiting on pending keys, per client
+        self.read_all_at = time.monotonic()  # the control socket had nothing unread then
         # A lookup parked for a client that has gone must not pin anything when it resolves.
         self.service.lookups.client_alive = self._client_alive
 
@@ -275,9 +277,18 @@ class Server(ControlFrames, ServerStartup):
                 await drain_backlog(self._sock, settle=min(0.2, period), limit=4 * period)
             elif has_unread(self._sock):
                 await drain_backlog(self._sock, settle=0.0, limit=period)
+            # Frames still unread (a backlog longer than the drain) may renew leases: judge
+            # clients only up to the last moment everything was read, so one whose frames
+            # queue behind others' keeps what it holds. A socket never empty (a flood) delays
+            # expiry by at most the longest lease a client can get (10 x lease_ms).
+            now = time.monotonic()
+            if has_unread(self._sock):
+                now = max(self.read_all_at, now - 10 * self.config.lease_ms / 1000)
+            else:
+                self.read_all_at = now
             # Parked lookups of expired clients stay: they answer a miss without pins when
             # their keys resolve (lookups.py), so a client that only waited too long learns.
-            self.service.expire_leases()
+            self.service.expire_leases(now)
             due = loop.time() + period
 
     # -- stop -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -57,6 +58,7 @@ class ControlFrames:
     service: Service
     parked: ParkedLookups
     _sock: zmq.asyncio.Socket | None
+    read_all_at: float  # time.monotonic() when the socket last had nothing unread
     _tasks: set[asyncio.Task[Any]]
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -164,6 +166,9 @@ class ControlFrames:
                 try:
                     frames = await sock.recv_multipart(zmq.NOBLOCK, copy=copy)
                 except zmq.Again:
+                    # Every frame that reached the socket so far is read: the lease sweeper
+                    # may judge clients up to this moment (server._sweep_leases).
+                    self.read_all_at = time.monotonic()
                     break
                 await self._serve_frames(frames)
             await asyncio.sleep(0)

@@ -32,9 +32,10 @@ class ServiceUpkeep:
 
     # -- housekeeping -----------------------------------------------------------------
 
-    def expire_leases(self) -> int:
-        """Release what clients whose lease ran out still hold; returns how many expired."""
-        gone = self.leases.expired()
+    def expire_leases(self, now: float | None = None) -> int:
+        """Release what clients whose lease ran out by ``now`` (time.monotonic(), default
+        the present) still hold; returns how many expired."""
+        gone = self.leases.expired(now)
         for client in gone:
             pins, pending = sum(client.pins.values()), len(client.pending)
             self.metrics.pins_released.inc(pins)
