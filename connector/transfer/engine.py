@@ -38,12 +38,18 @@ import threading
 import time
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.ma  # noqa: F401  np.unique imports it lazily: ~10 ms that would land on a first job
 import torch
 from kvoffload.connector.metrics import get_metrics
+from kvoffload.connector.transfer.base import (
+    CopyResult,
+    GeometryError,
+    RefusedCopier,
+    check_geometry,
+)
 from kvoffload.connector.transfer.cpu import CpuLane, CpuMemcpy, KVHugePages, default_cpu_threads
 from kvoffload.connector.transfer.cuda import CudaLauncher
 from kvoffload.connector.transfer.layout import (
@@ -83,36 +89,6 @@ def build_cpu_lanes(rank: int = 0, threads: int | None = None) -> dict[str, CpuL
     """The CPU lanes (threads started now) that one or more successive copiers can share."""
     n = threads or default_cpu_threads()
     return {lane: CpuLane(f"kvoffload-{lane}-r{rank}", n) for lane in LANES}
-
-
-class GeometryError(ValueError):
-    """This engine's KV layout cannot use the pool's slots (a one-line reason)."""
-
-
-class CopyResult(NamedTuple):
-    job_id: int
-    ok: bool
-    nbytes: int  # bytes this rank moved (0 for a failed job)
-    seconds: float
-
-
-def check_geometry(layout: KVLayout, rank: int, tp_world_size: int, slot_bytes: int,
-                   pool_bytes: int | None = None) -> str | None:
-    """Why this layout cannot copy into ``slot_bytes`` slots, or None when it can."""
-    if tp_world_size <= 0 or not 0 <= rank < tp_world_size:
-        return f"rank {rank} is outside a world of {tp_world_size} ranks"
-    if slot_bytes <= 0 or slot_bytes % tp_world_size:
-        return (f"slot size {slot_bytes} B (--slot-bytes) is not a positive multiple of the "
-                f"{tp_world_size} ranks sharing a slot")
-    rank_bytes = slot_bytes // tp_world_size
-    for g, need in enumerate(layout.bytes_per_block()):
-        if need > rank_bytes:
-            return (f"KV group {g} needs {need} B per block on rank {rank}, but a rank page is "
-                    f"{rank_bytes} B ({slot_bytes} B slots over {tp_world_size} ranks; with "
-                    f"uneven pipeline stages the slot must fit the largest stage)")
-    if pool_bytes is not None and pool_bytes < slot_bytes:
-        return f"the pool ({pool_bytes} B) is smaller than one {slot_bytes} B slot"
-    return None
 
 
 @dataclass
@@ -385,34 +361,3 @@ class BlockCopier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class RefusedCopier:
-    """Stands in for a copier that could not be built (bad geometry, pool file missing): every
-    job is reported failed by ``get_finished``; nothing raises into the engine's step."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-        self.expedited_jobs: Container[int] = frozenset()
-        self._results: list[CopyResult] = []
-
-    def _refuse(self, job_id: int) -> bool:
-        self._results.append(CopyResult(job_id, False, 0, 0.0))
-        return False
-
-    def submit_store(self, job_id: int, items: Iterable[Sequence[int]] | np.ndarray) -> bool:
-        return self._refuse(job_id)
-
-    def submit_load(self, job_id: int, items: Iterable[Sequence[int]],
-                    expedited: bool = False) -> bool:
-        return self._refuse(job_id)
-
-    def get_finished(self) -> list[CopyResult]:
-        out, self._results = self._results, []
-        return out
-
-    def wait(self, job_ids: Iterable[int]) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
