@@ -165,6 +165,13 @@ class Service(ServiceUpkeep):
                                f"one block of this engine needs {g.slot_bytes()} bytes; pool "
                                f"slots hold {pool.slot_bytes} (set slot_bytes for the largest "
                                "engine on this node)")
+        if pool.slot_bytes % g.tp_world_size:
+            # Each rank copies its page at rank * (slot // world): the workers refuse a slot
+            # that does not split evenly, so refuse the engine here, before its first step.
+            raise RequestError(p.ErrorCode.GEOMETRY_MISMATCH,
+                               f"pool slots of {pool.slot_bytes} bytes do not split into "
+                               f"{g.tp_world_size} equal rank pages (set slot_bytes to a "
+                               "multiple of every tensor-parallel size on this node)")
         if g.namespace not in self.index.names and len(self.index.namespaces) >= MAX_NAMESPACES:
             raise RequestError(p.ErrorCode.TOO_LARGE, f"{MAX_NAMESPACES} namespaces are "
                                "registered already; engines must share namespaces")

@@ -99,6 +99,23 @@ def test_geometry_conflict_and_too_many_keys(tmp_path) -> None:
         c.close()
 
 
+def test_slots_that_do_not_split_among_the_ranks_are_refused_at_registration(tmp_path) -> None:
+    # 3 ranks of 256 B pages fit a 1024 B slot, but 1024 does not split into 3 equal pages:
+    # the workers would refuse every job, so the engine is refused before its first step.
+    three = msgspec.structs.replace(EXAMPLE, namespace="tp3", tp_world_size=3)
+    assert three.slot_bytes() <= 1024
+    with run_daemon(tmp_path, slot_bytes=1024) as d:
+        c = DaemonClient(d.control, timeout_ms=5000)
+        with pytest.raises(p.ProtocolError) as exc:
+            c.register(three, rank=1)
+        assert exc.value.code == p.ErrorCode.GEOMETRY_MISMATCH
+        assert "3 equal rank pages" in exc.value.message and "\n" not in exc.value.message
+        c.close()
+        two = DaemonClient(d.control, timeout_ms=5000)  # an even split registers
+        two.register(msgspec.structs.replace(EXAMPLE, namespace="tp2", tp_world_size=2), rank=1)
+        two.close()
+
+
 def test_hashes_that_cannot_cover_the_request(daemon) -> None:
     c = DaemonClient(daemon.control, timeout_ms=5000)
     c.register(EXAMPLE)
