@@ -2,7 +2,7 @@
 
 * ``batch``: the whole job as ONE ``cuMemcpyBatchAsync`` (driver API, CUDA >= 12.8) on the job's
   stream. Called through ctypes on ``libcuda.so.1`` with the numpy pointer arrays of
-  ``batch_entries`` passed as they are: cuda-python's binding wants one Python ``CUdeviceptr``
+  ``work_entries`` passed as they are: cuda-python's binding wants one Python ``CUdeviceptr``
   object per copy, which for a 32-layer job of 48 blocks (3,000 copies) costs as much host time
   as the copy itself. CUDA 13 renamed the entry point ``cuMemcpyBatchAsync_v2`` and dropped its
   ``failIdx`` argument; both are handled.
@@ -16,7 +16,7 @@
   copies host<->device without a synchronous bounce only when both sides are contiguous.)
 
 ``index`` and ``rows`` are plain torch and run unchanged on CPU tensors, which is how the tests
-check them without a GPU; ``batch`` is checked on CPU through ``batch_entries``'s addresses.
+check them without a GPU; ``batch`` is checked on CPU through ``work_entries``'s addresses.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvoffload.connector.transfer.plan import CopyOp, SegmentWork, batch_entries, ops
+from kvoffload.connector.transfer.plan import CopyOp, SegmentWork, ops, work_entries
 
 logger = logging.getLogger("kvoffload.connector")
 
@@ -114,26 +114,42 @@ def launch_rows(copy_ops: list[CopyOp]) -> None:
 
 def launch_index(work: list[SegmentWork], store: bool, device: torch.device,
                  staging_bytes: int = _STAGING_BYTES) -> None:
-    """Gather/scatter on the device side, one contiguous host copy per block and segment."""
+    """Gather/scatter on the device side; on the host side one contiguous copy per run of
+    consecutive slots where the pool rows of a run are contiguous, else per slot."""
     for w in work:
         row = int(w.kv.shape[1] * w.kv.shape[2])
         per = max(1, staging_bytes // max(row, 1))
-        blocks = torch.from_numpy(w.blocks).to(device, non_blocking=True)
-        slots = w.slots.tolist()
+        order = np.argsort(w.slots, kind="stable")  # slot order: consecutive slots coalesce
+        slots = w.slots[order]
+        blocks = torch.from_numpy(w.blocks[order]).to(device, non_blocking=True)
         for c in range(0, len(slots), per):
             idx = blocks[c : c + per]
-            chunk = slots[c : c + per]
+            runs = _slot_runs(w.pool, slots[c : c + per])
             if store:
                 staging = w.kv.index_select(0, idx)
-                for i, s in enumerate(chunk):
-                    w.pool[s].copy_(staging[i], non_blocking=True)
+                for i, s0, n in runs:
+                    w.pool[s0 : s0 + n].copy_(staging[i : i + n], non_blocking=True)
             else:
-                staging = torch.empty((len(chunk), *w.kv.shape[1:]), dtype=torch.int8,
+                staging = torch.empty((len(idx), *w.kv.shape[1:]), dtype=torch.int8,
                                       device=device)
-                for i, s in enumerate(chunk):
-                    staging[i].copy_(w.pool[s], non_blocking=True)
+                for i, s0, n in runs:
+                    staging[i : i + n].copy_(w.pool[s0 : s0 + n], non_blocking=True)
                 w.kv.index_copy_(0, idx, staging)
 
+
+def _slot_runs(pool: torch.Tensor, slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """(offset in ``slots``, first slot, count) per copy: maximal runs of consecutive slots
+    when their rows are one contiguous piece of the pool (a whole slot per key: TP 1 and the
+    group filling the page), else one slot each (a slot's own rows always are)."""
+    n = len(slots)
+    if n == 0:
+        return []
+    if n == 1 or not pool[0:2].is_contiguous():
+        return [(i, int(s), 1) for i, s in enumerate(slots.tolist())]
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    return list(zip(starts.tolist(), slots[starts].tolist(), lengths.tolist(), strict=True))
 
 class CudaLauncher:
     """Enqueues a job's copies on a stream with the best backend this process has."""
@@ -153,7 +169,7 @@ class CudaLauncher:
         """Call inside ``torch.cuda.stream(stream)``."""
         if self._batch is not None:
             try:
-                dsts, srcs, sizes = batch_entries(ops(work, store))
+                dsts, srcs, sizes = work_entries(work, store)
                 self._batch.launch(dsts, srcs, sizes, int(stream.cuda_stream))
                 return
             except RuntimeError:

@@ -28,7 +28,13 @@ from kvoffload.connector.transfer.engine import (
     PoolMapping,
     RefusedCopier,
 )
-from kvoffload.connector.transfer.plan import batch_entries, ops, plan_work, segment_views
+from kvoffload.connector.transfer.plan import (
+    batch_entries,
+    ops,
+    plan_work,
+    segment_views,
+    work_entries,
+)
 from prometheus_client import CollectorRegistry
 
 LAYERS, NB, PAGE, MAMBA = 4, 40, 512, 96
@@ -181,7 +187,7 @@ def test_cuda_backends_with_the_device_swapped(mapping: PoolMapping, name: str,
         elif backend == "rows":
             copy_cuda.launch_rows(ops(work, store))
         else:
-            d, s, n = batch_entries(ops(work, store))
+            d, s, n = work_entries(work, store)  # what CudaLauncher hands the driver
             for a, b, c in zip(d.tolist(), s.tolist(), n.tolist(), strict=True):
                 ctypes.memmove(a, b, c)
     check_pool(mapping.slot_view(SLOT), src, STORES)
