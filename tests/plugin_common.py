@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from kvoffload.connector.client import DaemonClient  # noqa: E402
 from kvoffload.daemon.base import Geometry, make_key  # noqa: E402
 from kvoffload.daemon.control import protocol as p  # noqa: E402
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadKey
 
 
 def plugin_config(control: str, **extra: Any) -> dict[str, Any]:
@@ -35,7 +39,7 @@ def connect(control: str, geometry: Geometry) -> DaemonClient:
     raise AssertionError("daemon did not accept a registration")
 
 
-def store(client: DaemonClient, keys: list[bytes], *, commit: bool = True, end_token: int = 0,
+def store(client: DaemonClient, keys: Sequence[bytes], *, commit: bool = True, end_token: int = 0,
           block: int = 16) -> list[int]:
     """Store keys (whose bytes nobody reads) and return their slots; ``end_token`` marks
     where their states end (a tail when it is not a multiple of ``block``)."""
@@ -47,8 +51,15 @@ def store(client: DaemonClient, keys: list[bytes], *, commit: bool = True, end_t
     return grant.slots
 
 
-def keys_at(block_hashes: list[bytes], hash_idx: int, groups: tuple[int, ...] = (0, 1)) -> list[bytes]:
-    return [make_key(block_hashes[hash_idx], g) for g in groups]
+def offload_key(block_hash: bytes, group: int) -> OffloadKey:
+    """Our key of a block hash in a group, typed as the key vLLM's manager API takes (vLLM's
+    ``OffloadKey`` is ``bytes`` under another name: no conversion at run time)."""
+    return cast("OffloadKey", make_key(block_hash, group))
+
+
+def keys_at(block_hashes: Sequence[bytes], hash_idx: int,
+            groups: tuple[int, ...] = (0, 1)) -> list[OffloadKey]:
+    return [offload_key(block_hashes[hash_idx], g) for g in groups]
 
 
 def end_step(connector: Any) -> Any:

@@ -24,17 +24,25 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
 if TYPE_CHECKING:
+    from kvoffload.connector.vllm.manager import DaemonOffloadingManager
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.kv_offload.base import OffloadingManager
     from vllm.v1.request import Request
 
 
@@ -52,7 +60,7 @@ def require_vllm() -> None:
 # --------------------------------------------------------------------------- KV cache specs
 
 
-def full_attention_spec(block_size: int = 16) -> KVCacheSpec:
+def full_attention_spec(block_size: int = 16) -> FullAttentionSpec:
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -61,7 +69,7 @@ def full_attention_spec(block_size: int = 16) -> KVCacheSpec:
     )
 
 
-def sliding_window_spec(block_size: int = 16, sliding_window: int = 40) -> KVCacheSpec:
+def sliding_window_spec(block_size: int = 16, sliding_window: int = 40) -> SlidingWindowSpec:
     import torch
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
@@ -74,7 +82,7 @@ def sliding_window_spec(block_size: int = 16, sliding_window: int = 40) -> KVCac
     )
 
 
-def mamba_spec(block_size: int = 16, mode: str = "align") -> KVCacheSpec:
+def mamba_spec(block_size: int = 16, mode: str = "align") -> MambaSpec:
     import torch
     from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -155,6 +163,24 @@ def build_scheduler_connector(
     )
     cls = connector_class or OffloadingConnector
     return cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+M = TypeVar("M", bound="OffloadingManager")
+
+
+def manager_of(connector: OffloadingConnector, cls: type[M]) -> M:
+    """The manager the spec built behind vLLM's connector, checked to be a ``cls`` (vLLM types
+    it as any ``OffloadingManager``; the tests read the attributes of the one they built)."""
+    manager = connector.scheduler.manager
+    assert isinstance(manager, cls), type(manager)
+    return manager
+
+
+def daemon_manager(connector: OffloadingConnector) -> DaemonOffloadingManager:
+    """Our manager behind a connector built with our spec (see :func:`manager_of`)."""
+    from kvoffload.connector.vllm.manager import DaemonOffloadingManager
+
+    return manager_of(connector, DaemonOffloadingManager)
 
 
 def tokens_per_hash(connector: OffloadingConnector) -> int:

@@ -5,18 +5,33 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.daemon_helpers import run_daemon  # noqa: E402
-from tests.plugin_common import connect, end_step, keys_at, plugin_config, store  # noqa: E402
+from tests.daemon_helpers import DaemonHandle, run_daemon  # noqa: E402
+from tests.plugin_common import (  # noqa: E402
+    connect,
+    end_step,
+    keys_at,
+    offload_key,
+    plugin_config,
+    store,
+)
 from tests.vllm_harness import (  # noqa: E402
     build_scheduler_connector,
+    daemon_manager,
     make_request,
     require_vllm,
     vllm_import_error,
 )
+
+if TYPE_CHECKING:
+    from kvoffload.connector.vllm.manager import DaemonOffloadingManager
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_offload.base import PrepareStoreOutput
 
 pytestmark = [
     pytest.mark.vllm,
@@ -24,7 +39,7 @@ pytestmark = [
 ]
 
 
-def _blocks(*groups: list[int]) -> object:
+def _blocks(*groups: list[int]) -> KVCacheBlocks:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -33,8 +48,14 @@ def _blocks(*groups: list[int]) -> object:
          for b in group] for group in groups))
 
 
+def _offered(out: PrepareStoreOutput | None) -> PrepareStoreOutput:
+    """prepare_store's answer: vLLM's None ("cannot store now") is never right here."""
+    assert out is not None
+    return out
+
+
 @pytest.fixture
-def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
+def daemon(tmp_path: Path) -> Iterator[DaemonHandle]:
     # Another engine drops the namespace in some tests: the old any-registrant rule.
     with run_daemon(tmp_path, env={"KVOFFLOAD_RESET_NAMESPACE": "any"}) as d:
         yield d
@@ -47,19 +68,19 @@ def test_import_does_not_import_vllm() -> None:
                                                                   "PATH": "/usr/bin:/bin"})
 
 
-def test_geometry_from_vllm_config(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_geometry_from_vllm_config(daemon: DaemonHandle) -> None:
     from kvoffload.daemon.base import GroupKind
 
     conn = build_scheduler_connector(plugin_config(daemon.control))
-    geo = conn.scheduler.manager.geometry
+    geo = daemon_manager(conn).geometry
     assert [g.kind for g in geo.groups] == [GroupKind.FULL_ATTENTION, GroupKind.MAMBA]
     assert geo.groups[1].mamba_align and geo.tokens_per_hash == 4
     assert [g.tokens_per_block for g in geo.groups] == [16, 16]
     assert geo.tp_world_size == 1 and geo.blocks_per_chunk == 1
     # The same engine config gives the same namespace; another model revision does not.
-    again = build_scheduler_connector(plugin_config(daemon.control)).scheduler.manager.geometry
-    other = build_scheduler_connector(
-        plugin_config(daemon.control, kvoffload_namespace="rev2")).scheduler.manager.geometry
+    again = daemon_manager(build_scheduler_connector(plugin_config(daemon.control))).geometry
+    other = daemon_manager(build_scheduler_connector(
+        plugin_config(daemon.control, kvoffload_namespace="rev2"))).geometry
     assert again.namespace == geo.namespace != other.namespace
 
 
@@ -77,14 +98,14 @@ def test_bad_settings_are_refused() -> None:
         build_scheduler_connector(plugin_config("ipc:///nowhere", kvoffload_reset_daemon="all"))
 
 
-def test_time_model_reaches_the_daemon_and_declines_tails(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_time_model_reaches_the_daemon_and_declines_tails(daemon: DaemonHandle) -> None:
     """With a time model under which no tail pays, vLLM's own scan stops at the chunk hit:
     the daemon marks the stored tail not worth loading in the shared index once an engine of
     the namespace registers that time model."""
     plain = build_scheduler_connector(plugin_config(daemon.control))
     req = make_request(list(range(30)), "declined")
     h = req.block_hashes
-    other = connect(daemon.control, plain.scheduler.manager.geometry)
+    other = connect(daemon.control, daemon_manager(plain).geometry)
     store(other, keys_at(h, 3), end_token=16)
     store(other, keys_at(h, 6), end_token=28)  # a tail, stored before any time model
     plain.on_new_request(req)
@@ -95,10 +116,10 @@ def test_time_model_reaches_the_daemon_and_declines_tails(daemon) -> None:  # ty
     conn.on_new_request(again)
     hit, _ = conn.get_num_new_matched_tokens(again, 0)
     assert hit == 16  # the tail at 28 is stored, but cannot repay its load
-    assert conn.scheduler.manager.counters["tails_declined"] > 0
+    assert daemon_manager(conn).counters["tails_declined"] > 0
 
 
-def _settle(pred, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
+def _settle(pred: Callable[[], bool], timeout: float = 30.0) -> bool:
     """Steps go out without waiting: the daemon applies them a moment later."""
     import time
 
@@ -110,17 +131,17 @@ def _settle(pred, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def
     return True
 
 
-def _sent(manager) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+def _sent(manager: DaemonOffloadingManager) -> tuple[int, int]:
     """(messages sent, round trips waited for) by the manager so far."""
     return manager.session.counters["steps_sent"], manager.session.client.round_trips
 
 
-def test_worked_example_tail_hit_and_load_job(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_worked_example_tail_hit_and_load_job(daemon: DaemonHandle) -> None:
     """Upstream numbers: 30 tokens, block 16, unit 4 -> 28 with the tail, answered from the
     shared index with no message; a load job writing blocks [31, 32, 41] from the slots (and
     generations) the index holds; pins taken by the step's one message, released after."""
     conn = build_scheduler_connector(plugin_config(daemon.control))
-    manager = conn.scheduler.manager
+    manager = daemon_manager(conn)
     req = make_request(list(range(30)), "worked")
     h = req.block_hashes
     other = connect(daemon.control, manager.geometry)
@@ -134,15 +155,17 @@ def test_worked_example_tail_hit_and_load_job(daemon) -> None:  # type: ignore[n
 
     conn.update_state_after_alloc(req, _blocks([31, 32], [0, 41]), 28)
     (job,) = conn.scheduler._current_batch_load_jobs.values()
+    from kvoffload.connector.vllm.load_spec import PoolSlotsSpec
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    assert isinstance(job.dst_spec, GPULoadStoreSpec) and isinstance(job.src_spec, PoolSlotsSpec)
     assert list(job.dst_spec.block_ids) == [31, 32, 41]
     assert list(job.dst_spec.group_sizes) == [2, 1]
     assert list(job.dst_spec.block_indices) == [0, 1]
-    from kvoffload.daemon.base import make_key
-
-    loaded = [make_key(h[3], 0), make_key(h[6], 0), make_key(h[6], 1)]
+    loaded = [offload_key(h[3], 0), offload_key(h[6], 0), offload_key(h[6], 1)]
     assert job.src_spec.slots == [slots[k] for k in loaded]
     assert all(g > 0 for g in job.src_spec.gens) and job.src_spec.req_id == "worked"
-    assert job.src_spec.pool.pool_path == daemon.pool_path
+    assert job.src_spec.pool is not None and job.src_spec.pool.pool_path == daemon.pool_path
     assert other.stats()["pinned"] == 0  # nothing sent yet
     end_step(conn)
     assert _sent(manager)[0] == before[0] + 1 and _sent(manager)[1] == before[1]
@@ -165,9 +188,9 @@ def test_worked_example_tail_hit_and_load_job(daemon) -> None:  # type: ignore[n
     manager.shutdown()
 
 
-def test_group_missing_the_tail_gives_16(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_group_missing_the_tail_gives_16(daemon: DaemonHandle) -> None:
     conn = build_scheduler_connector(plugin_config(daemon.control))
-    manager = conn.scheduler.manager
+    manager = daemon_manager(conn)
     req = make_request(list(range(100, 130)), "no-tail")
     h = req.block_hashes
     other = connect(daemon.control, manager.geometry)
@@ -181,11 +204,11 @@ def test_group_missing_the_tail_gives_16(daemon) -> None:  # type: ignore[no-unt
     manager.shutdown()
 
 
-def test_pending_keys_defer_then_hit_once_committed(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_pending_keys_defer_then_hit_once_committed(daemon: DaemonHandle) -> None:
     """Keys being written answer HIT_PENDING (the request waits, asking nothing); the step
     after the writer commits, the index says READY and vLLM takes the hit."""
     conn = build_scheduler_connector(plugin_config(daemon.control))
-    manager = conn.scheduler.manager
+    manager = daemon_manager(conn)
     req = make_request(list(range(200, 230)), "pending")
     h = req.block_hashes
     other = connect(daemon.control, manager.geometry)
@@ -203,12 +226,12 @@ def test_pending_keys_defer_then_hit_once_committed(daemon) -> None:  # type: ig
     manager.shutdown()
 
 
-def test_stores_use_the_reservation_and_skip_stored_keys(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_stores_use_the_reservation_and_skip_stored_keys(daemon: DaemonHandle) -> None:
     from kvoffload.daemon.base import KeyStatus
     from vllm.v1.kv_offload.base import ReqContext
 
     conn = build_scheduler_connector(plugin_config(daemon.control))
-    manager = conn.scheduler.manager
+    manager = daemon_manager(conn)
     assert len(manager._reserved) == manager.settings.reserve  # filled at start
     req = make_request(list(range(300, 330)), "store")
     conn.on_new_request(req)
@@ -217,9 +240,12 @@ def test_stores_use_the_reservation_and_skip_stored_keys(daemon) -> None:  # typ
     ctx.set_offload_key_position(k0, 16)
     ctx.set_offload_key_position(k1, 16)
     before = _sent(manager)
-    out = manager.prepare_store([k0, k1], ctx)
-    again = manager.prepare_store([k0, k1], ctx)  # same step, already being stored
+    out = _offered(manager.prepare_store([k0, k1], ctx))
+    again = _offered(manager.prepare_store([k0, k1], ctx))  # same step, already being stored
     assert out.keys_to_store == [k0, k1] and again.keys_to_store == []
+    from kvoffload.connector.vllm.load_spec import PoolSlotsSpec
+
+    assert isinstance(out.store_spec, PoolSlotsSpec)
     assert len(set(out.store_spec.slots)) == 2 and min(out.store_spec.slots) >= 0
     assert _sent(manager) == before  # slots came from the reservation: no message
     other = connect(daemon.control, manager.geometry)
@@ -228,27 +254,27 @@ def test_stores_use_the_reservation_and_skip_stored_keys(daemon) -> None:  # typ
     manager.complete_store([k0, k1], ctx)  # commits are sent at once
     assert _settle(lambda: other.probe([k0, k1]) == [KeyStatus.HIT] * 2)
     end_step(conn)
-    assert manager.prepare_store([k0, k1], ctx).keys_to_store == []  # stored: not offered
+    assert _offered(manager.prepare_store([k0, k1], ctx)).keys_to_store == []  # not offered
     manager.shutdown()
 
 
-def test_keys_another_engine_evicted_are_offered_again(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_keys_another_engine_evicted_are_offered_again(daemon: DaemonHandle) -> None:
     """"Already stored" is read from the index: once the block is gone (evicted, reset by
     someone else), prepare_store offers it again."""
     from vllm.v1.kv_offload.base import ReqContext
 
     conn = build_scheduler_connector(plugin_config(daemon.control))
-    manager = conn.scheduler.manager
+    manager = daemon_manager(conn)
     req = make_request(list(range(600, 630)), "again")
     k0, k1 = keys_at(req.block_hashes, 3)
     other = connect(daemon.control, manager.geometry)
     store(other, [k0, k1])
     ctx = ReqContext(req_id="again")
     end_step(conn)
-    assert manager.prepare_store([k0, k1], ctx).keys_to_store == []
+    assert _offered(manager.prepare_store([k0, k1], ctx)).keys_to_store == []
     end_step(conn)
     assert other.reset() == 2  # the other engine drops them
-    assert manager.prepare_store([k0, k1], ctx).keys_to_store == [k0, k1]
+    assert _offered(manager.prepare_store([k0, k1], ctx)).keys_to_store == [k0, k1]
     manager.shutdown()
 
 
@@ -260,7 +286,7 @@ def test_daemon_down_lookups_miss_and_stores_skip(tmp_path: Path) -> None:
         conn = build_scheduler_connector(plugin_config(d.control, kvoffload_timeout_ms=200,
                                                        kvoffload_retry_ms=60_000,
                                                        kvoffload_liveness_ms=300))
-        manager = conn.scheduler.manager
+        manager = daemon_manager(conn)
         d.kill()
         assert _settle(lambda: manager.session.view is None or
                        manager.session._healthy() is not None)
@@ -268,7 +294,7 @@ def test_daemon_down_lookups_miss_and_stores_skip(tmp_path: Path) -> None:
         conn.on_new_request(req)
         assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
         k0, k1 = keys_at(req.block_hashes, 3)
-        out = manager.prepare_store([k0, k1], ReqContext(req_id="down"))
+        out = _offered(manager.prepare_store([k0, k1], ReqContext(req_id="down")))
         assert out.keys_to_store == []
         assert manager.counters["stores_skipped_offline"] == 2
         assert manager.session.counters["offline_events"] >= 1
@@ -276,14 +302,14 @@ def test_daemon_down_lookups_miss_and_stores_skip(tmp_path: Path) -> None:
         manager.shutdown()
 
 
-def test_kvoffload_connector_subclass(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_kvoffload_connector_subclass(daemon: DaemonHandle) -> None:
     """The documented path: the KVCacheConfig and requests are handed over explicitly."""
     from kvoffload.connector.vllm import KVOffloadConnector
     from kvoffload.daemon.base import GroupKind
 
     conn = build_scheduler_connector(plugin_config(daemon.control),
                                      connector_class=KVOffloadConnector)
-    manager = conn.scheduler.manager
+    manager = daemon_manager(conn)
     assert [g.spec_kind for g in manager.geometry.groups] == ["full_attention", "mamba"]
     assert [g.kind for g in manager.geometry.groups] == [GroupKind.FULL_ATTENTION,
                                                          GroupKind.MAMBA]
@@ -294,7 +320,9 @@ def test_kvoffload_connector_subclass(daemon) -> None:  # type: ignore[no-untype
     assert "subclass" in manager.requests
     assert conn.get_num_new_matched_tokens(req, 0) == (28, True)
     (pending,) = manager._batch.lookups
-    report = manager._report(*pending)  # what the step's message will carry
+    # _Batch.lookups is annotated list[LookupReport] but also holds _report's arguments (the
+    # deferred form, manager.report_lookup): an annotation for the source to widen.
+    report = manager._report(*pending)  # type: ignore[misc]  # what the step's message carries
     assert (report.req_id, report.hit_tokens, report.chunk_tokens, report.tail_boundary) == (
         "subclass", 28, 16, 28)
     manager.shutdown()
@@ -386,20 +414,19 @@ def test_worker_rank_pages_generations_and_failed_loads(tmp_path: Path) -> None:
         os.unlink(path)
 
 
-def test_store_items_describe_their_tokens(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_store_items_describe_their_tokens(daemon: DaemonHandle) -> None:
     """What a store claim tells the daemon (for self-describing events) about each key, with
     the request handed over by KVOffloadConnector."""
     from kvoffload.connector.vllm import KVOffloadConnector
-    from kvoffload.daemon.base import make_key
 
     conn = build_scheduler_connector(plugin_config(daemon.control),
                                      connector_class=KVOffloadConnector)
-    manager = conn.scheduler.manager
+    manager = daemon_manager(conn)
     req = make_request(list(range(500, 530)), "items")
     conn.on_new_request(req)
     conn.get_num_new_matched_tokens(req, 0)  # vLLM records every chunk key's position
     h = req.block_hashes
-    chunk, tail = make_key(h[3], 0), make_key(h[6], 1)
+    chunk, tail = offload_key(h[3], 0), offload_key(h[6], 1)
     ctx = conn.scheduler._req_status["items"].req_context
     ctx.set_offload_key_position(tail, 28)
     manager.prepare_store([chunk, tail], ctx)
@@ -412,7 +439,7 @@ def test_store_items_describe_their_tokens(daemon) -> None:  # type: ignore[no-u
     manager.shutdown()
 
 
-def test_untested_vllm_is_refused_in_one_line(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_untested_vllm_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvoffload.connector.vllm.settings import UntestedVllm, check_vllm_version
 
     monkeypatch.delenv("KVOFFLOAD_ALLOW_UNTESTED_VLLM", raising=False)
@@ -422,7 +449,7 @@ def test_untested_vllm_is_refused_in_one_line(monkeypatch) -> None:  # type: ign
     check_vllm_version("0.34.0")
 
 
-def test_an_idle_engine_stays_attached(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_an_idle_engine_stays_attached(daemon: DaemonHandle) -> None:
     """No step for longer than the liveness window: the replies were only unread, the daemon
     is alive, and the next step answers from the index without re-attaching."""
     import time
@@ -431,7 +458,7 @@ def test_an_idle_engine_stays_attached(daemon) -> None:  # type: ignore[no-untyp
 
     conn = build_scheduler_connector(plugin_config(daemon.control, kvoffload_liveness_ms=300),
                                      connector_class=KVOffloadConnector)
-    manager = conn.scheduler.manager
+    manager = daemon_manager(conn)
     req = make_request(list(range(700, 730)), "idle")
     store(connect(daemon.control, manager.geometry),
           keys_at(req.block_hashes, 3) + keys_at(req.block_hashes, 6))
@@ -447,7 +474,7 @@ def test_an_idle_engine_stays_attached(daemon) -> None:  # type: ignore[no-untyp
     manager.shutdown()
 
 
-def test_a_frozen_daemon_means_misses_then_the_plugin_comes_back(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_a_frozen_daemon_means_misses_then_the_plugin_comes_back(daemon: DaemonHandle) -> None:
     """SIGSTOP: past the liveness window lookups answer MISS without waiting on the daemon;
     after SIGCONT the plugin re-attaches by itself and hits again."""
     import os
@@ -457,7 +484,7 @@ def test_a_frozen_daemon_means_misses_then_the_plugin_comes_back(daemon) -> None
     conn = build_scheduler_connector(plugin_config(
         daemon.control, kvoffload_liveness_ms=300, kvoffload_retry_ms=200,
         kvoffload_timeout_ms=300))
-    manager = conn.scheduler.manager
+    manager = daemon_manager(conn)
     req = make_request(list(range(800, 830)), "frozen")
     store(connect(daemon.control, manager.geometry),
           keys_at(req.block_hashes, 3) + keys_at(req.block_hashes, 6))
