@@ -277,19 +277,22 @@ class Server(ControlFrames, ServerStartup):
                 await drain_backlog(self._sock, settle=min(0.2, period), limit=4 * period)
             elif has_unread(self._sock):
                 await drain_backlog(self._sock, settle=0.0, limit=period)
-            # Frames still unread (a backlog longer than the drain) may renew leases: judge
-            # clients only up to the last moment everything was read, so one whose frames
-            # queue behind others' keeps what it holds. A socket never empty (a flood) delays
-            # expiry by at most the longest lease a client can get (10 x lease_ms).
-            now = time.monotonic()
-            if has_unread(self._sock):
-                now = max(self.read_all_at, now - 10 * self.config.lease_ms / 1000)
-            else:
-                self.read_all_at = now
             # Parked lookups of expired clients stay: they answer a miss without pins when
             # their keys resolve (lookups.py), so a client that only waited too long learns.
-            self.service.expire_leases(now)
+            self.service.expire_leases(self.lease_cutoff())
             due = loop.time() + period
+
+    def lease_cutoff(self) -> float:
+        """The moment (time.monotonic()) up to which leases may be judged: now, unless frames
+        wait unread (a backlog longer than the sweeper's drain). They may renew leases, so
+        clients are judged only up to the last moment everything was read: one whose frames
+        queue behind others' keeps what it holds. A socket never empty (a flood) delays
+        expiry by at most the longest lease a client can get (10 x lease_ms)."""
+        now = time.monotonic()
+        if not has_unread(self._sock):
+            self.read_all_at = now
+            return now
+        return max(self.read_all_at, now - 10 * self.config.lease_ms / 1000)
 
     # -- stop -------------------------------------------------------------------------
 

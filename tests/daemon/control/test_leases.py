@@ -8,19 +8,28 @@ pool is exactly where it was: no pending slot, no stray pin, the same free and r
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
 from kvoffload.bench.suites.load import metric_sum, scrape_metrics
 from kvoffload.connector.client import DaemonClient
 from kvoffload.daemon.base import make_key
+from kvoffload.daemon.config import load_config
 from kvoffload.daemon.control import protocol as p
+from kvoffload.daemon.ops.loop_health import has_unread
+from kvoffload.daemon.server import Server
 
 from tests.daemon.test_server import EXAMPLE, store
 from tests.daemon_helpers import run_daemon
@@ -160,3 +169,94 @@ def test_sigkilled_clients_mid_store_and_mid_load(tmp_path) -> None:
                     proc.wait()
         assert _settled(c, baseline) == baseline
         c.close()
+
+
+
+def _until(cond: Callable[[], Any], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_unread_frames_keep_a_lease_until_read(tmp_path) -> None:
+    """The receive loop is stopped, so a client's heartbeat waits unread in the socket while
+    its lease runs out by the clock: the sweeper does not judge it before the frame is read,
+    and once read the heartbeat renews it. An unread socket defers expiry only so long (10 x
+    the daemon's lease, the bound for a flood): then the client expires, its pin released."""
+    work = Path(tempfile.mkdtemp(prefix="kvo-"))  # ipc paths stay short
+    config = load_config(flags={
+        "control": f"ipc://{work}/c.sock", "pool_path": f"/dev/shm/kvoffload-test-{work.name}",
+        "pool_bytes": 1 << 20, "slot_bytes": 1024, "http": "127.0.0.1:0", "prefault": False,
+        "lease_ms": 400})  # clients ask for 100 ms; the flood bound is 4 s
+    server = Server(config)
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+
+    async def main() -> None:
+        await server.start()
+        started.set()
+        await server.wait_stopped()
+        await server.shutdown()
+
+    def on_loop(fn: Callable[[], Any]) -> Any:
+        async def call() -> Any:
+            return fn()
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
+
+    def reading(on: bool) -> None:
+        if on:
+            on_loop(lambda: server._loops.__setitem__(
+                0, asyncio.get_running_loop().create_task(server._serve_control())))
+        else:
+            on_loop(lambda: server._loops[0].cancel())
+            _until(lambda: on_loop(lambda: server._loops[0].done()))
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    assert started.wait(30)
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(config.control)
+    key = make_key(hashlib.sha256(b"held").digest(), 0)
+
+    def ask(msg: Any) -> Any:
+        sock.send(p.encoder.encode(msg))
+        assert sock.poll(10_000), msg
+        return p.reply_decoder.decode(sock.recv())
+
+    try:
+        assert isinstance(ask(p.Hello(rid=1, version=p.PROTOCOL_VERSION, client="slow",
+                                      lease_ms=100)), p.Welcome)
+        engine = ask(p.Register(rid=2, geometry=EXAMPLE)).engine
+        grant = ask(p.PrepareStore(rid=3, engine=engine,
+                                   items=[p.StoreItem(key=key, end_token=16)]))
+        assert grant.outcomes == [p.StoreOutcome.GRANTED]
+        (client,) = server.service.leases.clients.values()
+        reading(False)
+        sock.send(p.encoder.encode(p.Heartbeat(rid=4)))  # sent inside its lease
+        _until(lambda: on_loop(lambda: has_unread(server._sock)))
+        _until(lambda: time.monotonic() > client.expires_at())
+        # Its lease ran out by the clock, but a frame of its waits unread: not judged yet.
+        assert on_loop(lambda: server.service.expire_leases(server.lease_cutoff())) == 0
+        reading(True)
+        assert sock.poll(10_000)
+        assert isinstance(p.reply_decoder.decode(sock.recv()), p.Ack)
+        assert server.service.leases.clients.get(client.identity) is client  # renewed
+        assert ask(p.CommitStore(rid=5, engine=engine, keys=[key], ok=True)).count == 1
+        assert ask(p.PinLoad(rid=6, engine=engine, keys=[key])).slots[0] >= 0
+
+        # Unread for longer than the flood bound: expired after all, its pin released.
+        reading(False)
+        sock.send(p.encoder.encode(p.Heartbeat(rid=7)))
+        _until(lambda: client.identity not in server.service.leases.clients)
+        assert server.service.index.n_pinned == 0
+        assert metric_sum(scrape_metrics(server.http.url),
+                          "kvoffload_leases_expired_total") == 1
+        reading(True)
+    finally:
+        sock.close(linger=0)
+        loop.call_soon_threadsafe(server.request_stop)
+        thread.join(30)
+        shutil.rmtree(work, ignore_errors=True)
