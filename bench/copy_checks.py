@@ -233,7 +233,6 @@ def _first_job_case(path: str, pool_bytes: int, at_creation: bool, dev: torch.de
     import uuid
 
     from kvoffload.bench.copy_buffers import timed
-    from kvoffload.connector.vllm.load_spec import PoolInfo
     from kvoffload.daemon.store.shared_index import SharedIndexWriter
 
     layers, page = 8, 16 << 10
@@ -243,8 +242,13 @@ def _first_job_case(path: str, pool_bytes: int, at_creation: bool, dev: torch.de
     layout, _ = kv_layout(layers, 2 * items, page, dev)
     daemon_id = uuid.uuid4().hex[:12]
     index = SharedIndexWriter(f"{path}.{daemon_id}.index", num_slots, daemon_id)  # gens 0
-    info = PoolInfo(daemon_id, path, pool_bytes, block, block, f"{path}.{daemon_id}.index")
-    driver = _VllmWorker if _has_vllm() else _PiecesWorker
+    driver: Any = _PiecesWorker
+    info: Any = None  # the pool as a job's spec names it (the vLLM worker's only)
+    if _has_vllm():
+        from kvoffload.connector.vllm.load_spec import PoolInfo
+
+        driver = _VllmWorker
+        info = PoolInfo(daemon_id, path, pool_bytes, block, block, index.path.as_posix())
     t0 = time.perf_counter()
     worker = driver(layout, path, pool_bytes, at_creation, block)
     if worker._task is not None:  # what vLLM's warm-up leaves time for
