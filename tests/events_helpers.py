@@ -6,12 +6,18 @@ import asyncio
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import zmq
 from kvoffload.events.publisher import EventPublisher
-from kvoffload.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvoffload.events.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+)
 from kvoffload.events.subscriber import Gap, Received, Reset, _Subscriber
 from prometheus_client import CollectorRegistry
 
@@ -55,6 +61,16 @@ def mixed_batch(i: int) -> EventBatch:
         ],
         data_parallel_rank=2,
     )
+
+
+def block_events(events: Iterable[KVEvent]) -> list[BlockStored | BlockRemoved]:
+    """The events, every one a store or a removal: for tests where nothing is reset, so an
+    ``AllBlocksCleared`` is a failure (it has no medium or hashes to read), never skipped."""
+    out: list[BlockStored | BlockRemoved] = []
+    for ev in events:
+        assert not isinstance(ev, AllBlocksCleared), ev
+        out.append(ev)
+    return out
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:

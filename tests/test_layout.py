@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +36,7 @@ def _imports(mod: str, path: Path, known: dict[str, Path]) -> set[str]:
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     found: set[str] = set()
 
-    def visit(nodes: list[ast.stmt]) -> None:
+    def visit(nodes: Sequence[ast.stmt | ast.ExceptHandler]) -> None:  # handlers hold bodies
         for node in nodes:
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
                 visit(node.orelse)

@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry
 
 from tests.daemon.streams.test_publish import replay_all
 from tests.daemon_helpers import run_daemon
-from tests.events_helpers import stored
+from tests.events_helpers import block_events, stored
 
 TPH, BLOCK, BPC = 4, 8, 2  # tokens per hash, per engine block, engine blocks per chunk
 GEOM = Geometry(namespace="profiles", tokens_per_hash=TPH, blocks_per_chunk=BPC, groups=(
@@ -213,7 +213,7 @@ async def test_engine_view_merges_its_engine_and_stamps_its_rank(tmp_path: Path)
             deadline = time.monotonic() + 10
             while True:
                 got = [decode_batch(pl) for pl in replay_all(views[0]["replay"])]
-                events = [e for b in got for e in b.events]
+                events = block_events(e for b in got for e in b.events)
                 if any(e.medium == "GPU" for e in events) and len(events) >= 7 \
                         or time.monotonic() > deadline:
                     break
@@ -235,6 +235,7 @@ async def test_replay_buffer_is_bounded_in_events_and_bytes(tmp_path: Path) -> N
             pub.publish(EventBatch(ts=float(i), events=[stored(10 * i + j) for j in range(3)]))
         while pub.queued:
             await asyncio.sleep(0.001)
+        assert pub.bound_replay_endpoint is not None
         got = [decode_batch(pl) for pl in await asyncio.to_thread(
             replay_all, pub.bound_replay_endpoint)]
         assert [b.ts for b in got] == [4.0, 5.0]  # 6 events kept; a third batch makes 9

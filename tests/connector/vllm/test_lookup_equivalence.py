@@ -26,9 +26,11 @@ from tests.plugin_common import connect, end_step, plugin_config  # noqa: E402
 from tests.vllm_harness import (  # noqa: E402
     blocks_for_load,
     build_scheduler_connector,
+    daemon_manager,
     full_attention_spec,
     make_request,
     mamba_spec,
+    manager_of,
     new_kv_cache_manager,
     sliding_window_spec,
     tokens_per_hash,
@@ -138,7 +140,7 @@ def test_hits_and_loads_equal_vllm_over_the_same_keys(daemon: DaemonHandle, setu
         {"spec_name": "DictOffloadingSpec", "spec_module_path": harness.__name__},
         kv_cache_config, prefix_match_unit=setup.unit)
     tph = tokens_per_hash(ours)
-    manager, reference = ours.scheduler.manager, ref.scheduler.manager
+    manager, reference = daemon_manager(ours), manager_of(ref, harness.DictOffloadingManager)
     group_ids = [g.group_idx for g in ours.scheduler.config.kv_group_configs]
     assert group_ids == [g.group_idx for g in ref.scheduler.config.kv_group_configs]
     if setup.name == "group_ids_not_dense":
@@ -183,8 +185,8 @@ def test_hits_and_loads_equal_vllm_over_the_same_keys(daemon: DaemonHandle, setu
         hit = results[0][0]
         seen["hit"] += bool(hit)
         seen["deferred"] += hit is None
-        seen["tail"] += bool(hit) and (local + hit) % 16 != 0
-        seen["capped"] += bool(params) and bool(hit) and hit == params["max_load_tokens"]
+        seen["tail"] += bool(hit and (local + hit) % 16 != 0)
+        seen["capped"] += bool(params and hit and hit == params["max_load_tokens"])
         if hit and local == 0:
             for conn, req, km in ((ours, reqs[0], km_ours), (ref, reqs[1], km_ref)):
                 conn.update_state_after_alloc(req, blocks_for_load(km, req, 0, hit), hit)

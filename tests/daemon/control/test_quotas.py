@@ -48,9 +48,14 @@ def store(c: DaemonClient, ks: list[bytes]) -> list[p.StoreOutcome]:
     return grant.outcomes
 
 
-def reset(c: DaemonClient, credential: str = "") -> p._Msg:
+def engine(c: DaemonClient) -> int:
+    """The engine id a registered client's requests carry."""
     assert c.registered is not None
-    return c.call(p.Reset(rid=c.rid(), engine=c.registered.engine, scope="namespace",
+    return c.registered.engine
+
+
+def reset(c: DaemonClient, credential: str = "") -> p._Msg:
+    return c.call(p.Reset(rid=c.rid(), engine=engine(c), scope="namespace",
                           credential=credential))
 
 
@@ -73,7 +78,7 @@ def test_namespace_reset_needs_sole_client_or_operator_credential(tmp_path: Path
         assert refused(d, "reset_forbidden") == 2
         assert a.probe(ks) == [KeyStatus.HIT] * 4  # a refused reset changed nothing
         # An anonymous client's "own" is every anonymous client's blocks: the same rule.
-        anon = a.call(p.Reset(rid=a.rid(), engine=a.registered.engine, scope="own"))
+        anon = a.call(p.Reset(rid=a.rid(), engine=engine(a), scope="own"))
         assert isinstance(anon, p.Error) and anon.code == p.ErrorCode.FORBIDDEN, anon
         # An engine instance's own blocks: always allowed, and only those go.
         c = DaemonClient(d.control, timeout_ms=5000)
@@ -159,7 +164,7 @@ def test_pin_and_pending_caps_apply_to_lookups_and_steps(tmp_path: Path) -> None
         assert store(a, ks) == [p.StoreOutcome.GRANTED] * 3
         # A pinning lookup whose hit needs 3 pins: a counted "quota" miss, no pins taken.
         hashes = [k[:-4] for k in ks]
-        reply = a.call(p.Lookup(rid=a.rid(), engine=a.registered.engine, pin=True, queries=[
+        reply = a.call(p.Lookup(rid=a.rid(), engine=engine(a), pin=True, queries=[
             p.LookupQuery(req_id="r", block_hashes=hashes, num_tokens=48,
                           num_prompt_tokens=48)]))
         assert isinstance(reply, p.LookupReply), reply
@@ -169,7 +174,7 @@ def test_pin_and_pending_caps_apply_to_lookups_and_steps(tmp_path: Path) -> None
         assert refused(d, "quota_pins") == 3
         # A Step asking for 10 reserved slots: the reservation cap (an eighth of 64 slots)
         # makes it 8, the pending cap grants 3, the other 5 are counted as refused.
-        step = a.call(p.Step(rid=a.rid(), engine=a.registered.engine, epoch=0, reserve=10))
+        step = a.call(p.Step(rid=a.rid(), engine=engine(a), epoch=0, reserve=10))
         assert isinstance(step, p.StepReply) and len(step.granted) == 3, step
         assert refused(d, "quota_pending") == 5
         a.close()
@@ -216,7 +221,12 @@ def test_plugin_stores_what_its_quota_allows_and_counts_the_rest(tmp_path: Path)
     """A short reservation is a counted short store in the plugin: the keys it could not
     store stay misses for everyone, the ones it stored load as hits."""
     from tests.plugin_common import connect, end_step, keys_at, plugin_config
-    from tests.vllm_harness import build_scheduler_connector, make_request, vllm_import_error
+    from tests.vllm_harness import (
+        build_scheduler_connector,
+        daemon_manager,
+        make_request,
+        vllm_import_error,
+    )
 
     if vllm_import_error() is not None:
         pytest.skip(str(vllm_import_error()))
@@ -224,7 +234,7 @@ def test_plugin_stores_what_its_quota_allows_and_counts_the_rest(tmp_path: Path)
 
     with run_daemon(tmp_path, env={"KVOFFLOAD_CLIENT_MAX_PENDING": "3"}) as d:
         conn = build_scheduler_connector(plugin_config(d.control))
-        manager = conn.scheduler.manager
+        manager = daemon_manager(conn)
         assert len(manager._reserved) == 3  # asked for its 64, granted its cap
         assert refused(d, "quota_pending") == manager.settings.reserve - 3
         req = make_request(list(range(900, 930)), "quota")
@@ -234,7 +244,7 @@ def test_plugin_stores_what_its_quota_allows_and_counts_the_rest(tmp_path: Path)
         for k in ks:
             ctx.set_offload_key_position(k, 16)
         out = manager.prepare_store(ks, ctx)
-        assert out.keys_to_store == ks[:3]  # the prefix that fits; the 4th is not offered
+        assert out is not None and out.keys_to_store == ks[:3]  # the prefix that fits; the 4th is not offered
         assert manager.counters["stores_short_reservation"] == 1
         other = connect(d.control, manager.geometry)
         end_step(conn)

@@ -18,6 +18,11 @@ def k(i: int) -> bytes:
     return f"key-{i:06d}".encode() + i.to_bytes(4, "big")
 
 
+def _not_in(banned: set[int]) -> Callable[[int], bool]:
+    """``take``'s filter: anything but ``banned`` may go."""
+    return lambda x: x not in banned
+
+
 def anything(key: bytes) -> bool:
     return True
 
@@ -57,7 +62,7 @@ def test_key_order_matches_a_list_through_compactions() -> None:
         else:
             banned = set(rng.sample(range(200), 20))
             n = rng.randrange(4)
-            got = order.take(n, lambda x, b=banned: x not in b)
+            got = order.take(n, _not_in(banned))
             want = [x for x in model if x not in banned][:n]
             assert got == want, step
             for x in want:
@@ -100,7 +105,7 @@ def test_key_order_compacts_in_steps_and_keeps_its_order_meanwhile() -> None:
                 model.remove(key)
         else:
             banned = set(rng.sample(range(2000), 200))
-            got = order.take(2, lambda x, b=banned: x not in b)
+            got = order.take(2, _not_in(banned))
             want = [x for x in model if x not in banned][:2]
             assert got == want
             for x in want:
@@ -210,7 +215,7 @@ def test_scan_resistance(name: str) -> None:
 
 
 def test_ghost_hits_adapt_the_target() -> None:
-    arc = ARCPolicy(4)
+    arc: ARCPolicy[bytes] = ARCPolicy(4)
     for i in range(4):
         arc.on_insert(k(i))
     assert arc.victims(2, anything) == [k(0), k(1)]
@@ -230,7 +235,7 @@ def test_ghost_hits_adapt_the_target() -> None:
 def test_ghost_lists_stay_bounded() -> None:
     rng = random.Random(3)
     capacity = 50
-    arc = ARCPolicy(capacity)
+    arc: ARCPolicy[bytes] = ARCPolicy(capacity)
     targets = set()
     for _ in range(20_000):
         key = k(rng.randrange(400) if rng.random() < 0.5 else rng.randrange(60))
@@ -245,7 +250,7 @@ def test_ghost_lists_stay_bounded() -> None:
 
 
 def test_auto_capacity_follows_the_resident_high_water_mark() -> None:
-    arc = ARCPolicy()
+    arc: ARCPolicy[bytes] = ARCPolicy()
     for i in range(10):
         arc.on_insert(k(i))
     assert arc.capacity == 10

@@ -50,8 +50,11 @@ def run_demo(control: str, *args: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def chain_ok(parent: bytes | None, tokens: list[int], tph: int, hashes: list[bytes]) -> bool:
-    """Recompute the demo's sha256 chain over the event's tokens and compare its hashes."""
+def chain_ok(parent: int | bytes | None, tokens: list[int], tph: int,
+             hashes: list[int | bytes]) -> bool:
+    """Recompute the demo's sha256 chain over the event's tokens and compare its hashes
+    (bytes: the daemon here runs with ``--event-hashes bytes``)."""
+    assert parent is None or isinstance(parent, bytes), parent
     h = SEED if parent is None else parent
     fine = []
     for i in range(len(tokens) // tph):
@@ -76,7 +79,7 @@ def test_every_stored_block_is_self_describing_and_removals_match(daemon) -> Non
     summary = run_demo(daemon.control, "--requests", "80")
     assert summary["evicted_keys"] > 0  # the small pool forces removals too
     payloads = replay_all(daemon.ready["events_replay"])
-    stored: dict[tuple[tuple[bytes, ...], int], BlockStored] = {}
+    stored: dict[tuple[tuple[int | bytes, ...], int], BlockStored] = {}
     removed = 0
     kinds = set()
     for payload in payloads:

@@ -21,6 +21,7 @@ from kvoffload.events.schema import decode_batch
 from tests.daemon.streams.test_publish import replay_all
 from tests.daemon_helpers import DaemonHandle, run_daemon
 from tests.events.test_profiles import CHUNK, GEOM, fine_chain, store_items
+from tests.events_helpers import block_events
 
 AUTO = "events=tcp://127.0.0.1:0,replay=tcp://127.0.0.1:0"
 
@@ -58,12 +59,12 @@ def store_all(c: DaemonClient) -> int:
     return len(items)
 
 
-def events_of(replay: str, n: int) -> list[tuple[int | None, str]]:
+def events_of(replay: str, n: int) -> list[tuple[int | None, str | None]]:
     """(batch rank, medium) of every event, once the view holds `n` (publishing is async)."""
     deadline = time.monotonic() + 10
     while True:
         out = [(b.data_parallel_rank, e.medium) for pl in replay_all(replay)
-               for b in [decode_batch(pl)] for e in b.events]
+               for b in [decode_batch(pl)] for e in block_events(b.events)]
         if len(out) >= n or time.monotonic() > deadline:
             return out
         time.sleep(0.02)

@@ -183,6 +183,7 @@ def test_disk_blocks_are_published_as_storage(tmp_path, disk) -> None:
     from kvoffload.events.schema import BlockRemoved, BlockStored, decode_batch
 
     from tests.daemon.streams.test_publish import replay_all
+    from tests.events_helpers import block_events
 
     with run_daemon(tmp_path, "--disk-dir", str(disk), "--disk-bytes", str(4 * 780),
                     "--events", "tcp://127.0.0.1:*", "--events-replay", "tcp://127.0.0.1:*",
@@ -200,8 +201,8 @@ def test_disk_blocks_are_published_as_storage(tmp_path, disk) -> None:
         y = other_keys("y", 4)  # the newest four blocks on disk
         assert client.probe(y[2:]) == [KeyStatus.HIT_PENDING] * 2  # promotion from disk
         wait_for(lambda: metric(d, "kvoffload_tier_promotions_total", outcome="ok") == 2)
-        events = [ev for payload in replay_all(d.ready["events_replay"])
-                  for ev in decode_batch(payload).events]
+        events = block_events(ev for payload in replay_all(d.ready["events_replay"])
+                              for ev in decode_batch(payload).events)
         on_disk: set[tuple] = set()
         removed = 0
         for ev in events:
