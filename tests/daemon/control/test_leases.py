@@ -129,14 +129,16 @@ from kvoffload.daemon.control import protocol as p
 from kvoffload.daemon.base import make_key
 sys.path.insert(0, {root!r})
 from tests.daemon.test_server import EXAMPLE
-c = DaemonClient({endpoint!r}, timeout_ms=10_000, lease_ms=200)
+c = DaemonClient({endpoint!r}, timeout_ms=10_000, lease_ms=1000)
 c.register(EXAMPLE)
 new = [make_key(hashlib.sha256(b"killed-%d" % {n}).digest(), 0)]
 grant = c.prepare_store([p.StoreItem(key=k, end_token=16) for k in new])
 slots = c.pin_load({pins!r})
 assert grant.outcomes == [p.StoreOutcome.GRANTED] and min(slots) >= 0, (grant, slots)
 print("holding", flush=True)
-time.sleep(600)
+while True:  # alive until killed, as an engine is: its lease must not run out by itself
+    c.heartbeat()
+    time.sleep(0.1)
 """
 
 
