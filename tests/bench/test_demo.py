@@ -145,7 +145,7 @@ def test_a_turn_cut_off_by_a_lost_daemon_is_not_counted_twice(tmp_path) -> None:
                 engine.summary.verify_failures += 1
                 raise DaemonUnavailable("gone")
 
-            engine._store = store_lost  # type: ignore[method-assign]
+            engine._store = store_lost  # type: ignore[method-assign, assignment]  # a stand-in
             try:
                 await engine.run_turn_once(turns[4])
             except DaemonUnavailable:

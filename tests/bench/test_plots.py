@@ -64,7 +64,7 @@ def test_legends_do_not_cover_bars(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     checked: list[int] = []
     real_save = plots._save
 
-    def save(plt, fig, path):  # type: ignore[no-untyped-def]
+    def save(plt, fig, path):
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
         for ax in fig.axes:

@@ -25,7 +25,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tm
     args = ["bench", "--json", "--out", str(tmp)] + [
         a for name in suites for a in ("--suite", name)] + list(extra)
     assert main(args) == 0
-    return json.loads(capsys.readouterr().out)["suites"]  # type: ignore[no-any-return]
+    return json.loads(capsys.readouterr().out)["suites"]
 
 
 def test_every_suite_gets_a_reason(monkeypatch: pytest.MonkeyPatch,

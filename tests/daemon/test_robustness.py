@@ -165,9 +165,9 @@ def test_per_query_hash_limit_and_parked_lookups_per_client(daemon: DaemonHandle
     assert _metric(daemon, "kvoffload_refused_total", reason="query_hashes") == 1
     writer = _pending_writer(daemon)
     rids = [raw.park(engine) for _ in range(MAX_PARKED_PER_CLIENT + 1)]
-    err = raw.recv()
-    assert isinstance(err, p.Error) and err.code == p.ErrorCode.TOO_LARGE, err
-    assert err.rid == rids[-1] and "parked" in err.message
+    refused = raw.recv()
+    assert isinstance(refused, p.Error) and refused.code == p.ErrorCode.TOO_LARGE, refused
+    assert refused.rid == rids[-1] and "parked" in refused.message
     assert _metric(daemon, "kvoffload_refused_total", reason="parked_lookups") == 1
     other = Raw(daemon.control)  # the bound is per client: another one still parks
     other_rid = other.park(other.register())
@@ -326,7 +326,7 @@ def test_sigterm_answers_two_thousand_parked_lookups(daemon: DaemonHandle) -> No
     daemon.proc.send_signal(signal.SIGTERM)
     answered = 0
     for c, want in zip(clients, rids, strict=True):
-        got = set()
+        got: set[int] = set()
         while len(got) < len(want):
             reply = c.recv(30_000)
             assert reply is not None, f"{len(got)} of {len(want)} answered"
@@ -372,7 +372,7 @@ def test_healthz_answers_while_one_client_floods(daemon: DaemonHandle) -> None:
     t = threading.Thread(target=flood, daemon=True)
     t.start()
     _until("the flood under way", lambda: state["answered"] > 100)
-    during = []
+    during: list[int] = []
     while t.is_alive() and len(during) < 20:
         with urllib.request.urlopen(f"{daemon.http_url}/healthz", timeout=20) as resp:
             assert resp.status == 200

@@ -71,7 +71,7 @@ class FakeEngine:
 
     def __init__(self, sock: zmq.Socket[Any], rng: random.Random) -> None:
         self.sock, self.rng, self.seq = sock, rng, 0
-        self.resident: list[tuple[int, int]] = []
+        self.resident: list[tuple[int | bytes, int]] = []  # (hash, group)
 
     def publish(self, events: list[KVEvent]) -> None:
         batch = EventBatch(ts=time.time(), events=events, data_parallel_rank=0)
@@ -92,7 +92,7 @@ class FakeEngine:
         r = self.rng.random()
         if r < 0.6 or not self.resident:
             n, group = self.rng.randint(1, 3), self.rng.randint(0, 1)
-            hashes = [self.rng.getrandbits(63) for _ in range(n)]
+            hashes: list[int | bytes] = [self.rng.getrandbits(63) for _ in range(n)]
             self.publish([BlockStored(
                 block_hashes=hashes, parent_block_hash=self.rng.choice([None, 7]),
                 token_ids=[self.rng.randrange(50_000) for _ in range(4 * n)], block_size=4,
@@ -108,12 +108,12 @@ class FakeEngine:
 
 
 def replay_from(endpoint: str, start: int) -> dict[int, bytes]:
-    s = zmq.Context.instance().socket(zmq.DEALER)
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVHWM, 0)
     s.connect(endpoint)
     s.send_multipart([b"", SEQ.pack(start)])
-    out = {}
+    out: dict[int, bytes] = {}
     try:
         while True:
             assert s.poll(10_000), "replay did not finish"
@@ -127,7 +127,7 @@ def replay_from(endpoint: str, start: int) -> dict[int, bytes]:
 
 def test_snapshot_plus_live_rebuilds_the_daemons_index(tmp_path: Any) -> None:
     rng = random.Random(int(time.time()))
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
     xpub = ctx.socket(zmq.XPUB)
     xpub.setsockopt(zmq.LINGER, 0)
     port = xpub.bind_to_random_port("tcp://127.0.0.1")

@@ -36,7 +36,7 @@ DROPPED = "kvoffload_events_dropped_batches_total"
 
 
 def raw_sub(endpoint: str) -> zmq.Socket[Any]:
-    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
@@ -45,7 +45,7 @@ def raw_sub(endpoint: str) -> zmq.Socket[Any]:
 
 
 def raw_dealer(endpoint: str) -> zmq.Socket[Any]:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(endpoint)
@@ -121,7 +121,7 @@ async def test_live_frames_seq_and_payload(
 
 async def test_connect_mode_endpoint(registry: CollectorRegistry) -> None:
     # A SUB that binds and a publisher that connects ("connect:": the broker case).
-    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind("tcp://127.0.0.1:*")
@@ -299,7 +299,7 @@ def test_bench_reports_missing_baseline(monkeypatch: pytest.MonkeyPatch) -> None
 async def test_address_in_use_raises_and_releases(registry: CollectorRegistry) -> None:
     first = EventPublisher("tcp://127.0.0.1:*", registry=registry)
     taken = first.bound_endpoint
-    probe = zmq.Context.instance().socket(zmq.PUB)
+    probe: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     probe.bind("tcp://127.0.0.1:*")
     port = probe.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
     probe.close(linger=0)
@@ -312,7 +312,7 @@ async def test_address_in_use_raises_and_releases(registry: CollectorRegistry) -
     finally:
         await first.aclose()
     # The failed publisher's PUB was closed: its port can be bound again (release is async).
-    sock = zmq.Context.instance().socket(zmq.PUB)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     try:
         deadline = time.monotonic() + 5
         while True:

@@ -67,7 +67,7 @@ def _unhex(v: Any) -> Any:
 
 def _case_batch(name: str) -> EventBatch:
     ts, events, rank = _unhex(CASES[name]["decoded_generic"])
-    typed = [msgspec.convert(e, KVEvent) for e in events]  # type: ignore[arg-type]
+    typed = [msgspec.convert(e, KVEvent) for e in events]
     return EventBatch(ts=ts, events=typed, data_parallel_rank=rank)
 
 

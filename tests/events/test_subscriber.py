@@ -194,7 +194,7 @@ async def test_publisher_restart_is_reported_as_reset(
 async def test_garbage_frames_are_survived(
     ipc: Callable[[str], str], registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     ep = ipc("raw")
     pub.bind(ep)
@@ -318,7 +318,7 @@ async def test_consumer_timeout_does_not_abort_a_replay(
     ipc: Callable[[str], str], registry: CollectorRegistry
 ) -> None:
     # A replay endpoint the test answers by hand, late: the consumer times out meanwhile.
-    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(ipc("slow-replay"))
     withheld: set[int] = set()

@@ -33,7 +33,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 try:
     from vllm.distributed import kv_events as vkv
 except Exception as exc:  # not installed, or its import chain is incomplete here
-    vkv = None
+    vkv = None  # type: ignore[assignment]  # a module or None: the tests skip on None
     SKIP_REASON = f"vLLM not importable: {type(exc).__name__}: {exc}"
 else:
     SKIP_REASON = ""
@@ -121,7 +121,7 @@ async def test_our_subscriber_live_from_vllm(vllm_pub: Any) -> None:
         deadline = time.monotonic() + 10
         probes = 0
         while True:  # slow joiner: publish until the subscription is up
-            vllm_pub.publish(vkv.KVEventBatch(ts=-1.0, events=[]))  # type: ignore[union-attr]
+            vllm_pub.publish(vkv.KVEventBatch(ts=-1.0, events=[]))
             probes += 1
             try:
                 first = await sub.recv(0.05)
@@ -219,7 +219,7 @@ async def test_vllm_decoder_reads_our_publisher(ipc: Callable[[str], str]) -> No
     assert vkv is not None
     decoder = msgspec.msgpack.Decoder(vkv.KVEventBatch)
     pub = EventPublisher(ipc("p"), ipc("r"), registry=CollectorRegistry())
-    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(pub.bound_endpoint)
@@ -244,7 +244,7 @@ async def test_vllm_style_dealer_replay_against_our_publisher(ipc: Callable[[str
     pub = EventPublisher(ipc("p"), ipc("r"), registry=CollectorRegistry())
     replay = pub.bound_replay_endpoint
     assert replay is not None
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(replay)
     try:
@@ -295,7 +295,7 @@ removed_kw = st.fixed_dictionaries(
     dict(block_hashes=st.lists(hashes, max_size=3), medium=maybe),
     optional=dict(group_idx=st.none() | st.integers(0, 4), locality=maybe, ownership=maybe),
 )
-event_kw = st.one_of(
+event_kw: st.SearchStrategy[tuple[str, dict[str, Any]]] = st.one_of(
     st.tuples(st.just("BlockStored"), stored_kw),
     st.tuples(st.just("BlockRemoved"), removed_kw),
     st.tuples(st.just("AllBlocksCleared"), st.just({})),

@@ -204,9 +204,10 @@ def test_partial_tail_worked_example(mapping: PoolMapping) -> None:
     """spec/partial-tail.md: block 16, unit 4, 30-token prompt, tail at 28."""
     src = make_layout(2)
     # Make the live Mamba block 21 differ from its copy-on-write snapshot 99 in every byte.
-    for r in src.groups[1].regions:
-        t = src.tensors[r.tensor_idx]
-        t[21, r.offset : r.offset + r.nbytes] = ~t[99, r.offset : r.offset + r.nbytes]
+    for region in src.groups[1].regions:
+        t = src.tensors[region.tensor_idx]
+        t[21, region.offset : region.offset + region.nbytes] = ~t[
+            99, region.offset : region.offset + region.nbytes]
     slot = {"h3@g0": 4, "h6@g0": 17, "h6@g1": 18}
     with BlockCopier(mapping, src, 0, 1, SLOT_BYTES) as w:
         # Complete chunk 0 of the attention group (key h3) came from block 11 earlier.

@@ -156,13 +156,14 @@ def test_job_that_cannot_be_copied_fails_never_raises(
 
 
 def test_expedited_load_through_the_worker(pools: Pools) -> None:
-    from kvoffload.connector.transfer.engine import STORE
+    from kvoffload.connector.transfer.engine import STORE, BlockCopier
     from kvoffload.connector.vllm.worker import DaemonOffloadingWorker
 
     w = DaemonOffloadingWorker(canonical(), 0, 1, pool_path=pools.pool())
     info = pools.info("d1")
     assert [r.success for r in store(w, 1, info)] == [True]  # slot 3 holds block 1
     release, started = threading.Event(), threading.Event()
+    assert isinstance(w._copier, BlockCopier)  # the store above made the pool's copier
     memcpy = w._copier._lanes[STORE].memcpy
     real = memcpy.copy
 
@@ -171,7 +172,7 @@ def test_expedited_load_through_the_worker(pools: Pools) -> None:
         assert release.wait(30)
         real(work, is_store)
 
-    memcpy.copy = blocked
+    memcpy.copy = blocked  # type: ignore[method-assign, assignment]  # held until released
     from kvoffload.connector.vllm.load_spec import PoolSlotsSpec
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 import zmq
@@ -14,7 +16,7 @@ from tests.daemon_helpers import run_daemon
 
 
 def raw_call(endpoint: str, frames: list[bytes], timeout_ms: int = 5000) -> p._Msg | None:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(endpoint)

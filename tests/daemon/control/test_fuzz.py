@@ -407,7 +407,7 @@ def test_mutator_covers_every_message_type() -> None:
         kind, msg = _classify(mutated_frames(rng))
         if msg is not None:
             seen.add(type(msg))
-    assert seen == {t for t in p.Request.__args__}  # type: ignore[attr-defined]
+    assert seen == {t for t in p.Request.__args__}
     assert isinstance(FUZZ_GEOMETRY, Geometry)
 
 

@@ -111,7 +111,7 @@ def curve_daemon(tmp_path: Path):
 
 def _client(d, keys: Path, name: str, server: str = "server") -> DaemonClient:
     curve = sec.CurveClientKeys.from_files(keys / f"{name}.key_secret", keys / f"{server}.key")
-    return DaemonClient(d.ready["control"], timeout_ms=1500, curve=curve)  # type: ignore[call-arg]
+    return DaemonClient(d.ready["control"], timeout_ms=1500, curve=curve)
 
 
 @needs_wiring

@@ -417,7 +417,7 @@ TRIALS = 1000
 
 
 def _vllm_specs(setup: Setup) -> list[Any]:
-    out = []
+    out: list[Any] = []  # vLLM's KVCacheSpec subclasses (vLLM is imported lazily)
     for kind in setup.kinds:
         if kind is FULL:
             out.append(full_attention_spec(16))

@@ -76,7 +76,7 @@ def test_index_store_remove_clear_and_budget() -> None:
     s.apply(0, EventBatch(ts=1.0, events=[AllBlocksCleared()]))
     assert s.total_tokens == 0 and s.resident(0) == 0
     assert not any(isinstance(e, AllBlocksCleared) for b in hub for e in b.events)
-    assert sorted(hub[-1].events[0].block_hashes) == [20, 21, 22, 23]  # type: ignore[union-attr]
+    assert sorted(hub[-1].events[0].block_hashes) == [20, 21, 22, 23]
     # Raw-digest hashes meet int ones on vLLM's int form.
     digest = hashlib.sha256(b"x").digest()
     s.apply(0, EventBatch(ts=1.0, events=[BlockStored(
@@ -124,7 +124,7 @@ async def test_publisher_restart_resets_the_engine_index(tmp_path: Any) -> None:
 
 async def test_malformed_frames_and_events_are_survived() -> None:
     reg = CollectorRegistry()
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
     xpub = ctx.socket(zmq.XPUB)  # XPUB: we see when the daemon's SUB has joined
     xpub.setsockopt(zmq.LINGER, 0)
     port = xpub.bind_to_random_port("tcp://127.0.0.1")
@@ -219,6 +219,7 @@ def test_vllm_publisher_completes_store_payloads(tmp_path: Any) -> None:
             by = {(e.block_hashes[0], e.group_idx): e for e in got}
             assert set(by) == {(ints[1], 0), (ints[1], 1), (ints[2], 0)}, d.log()[-3000:]
             for (h, group), e in by.items():
+                assert isinstance(h, int), h  # the daemon's default: int hashes
                 i = ints.index(h)
                 assert e.token_ids == blocks[i] and e.block_size == 16 and e.medium == "CPU"
                 assert e.parent_block_hash == ints[i - 1] and e.lora_name == "ad"
