@@ -102,7 +102,7 @@ def takes_seed(fn: Callable[..., Any]) -> bool:
 def _suite(name: str) -> Callable[[bool], dict[str, Any]] | None:
     module, func = SUITES[name]
     try:
-        return getattr(importlib.import_module(module), func)  # type: ignore[no-any-return]
+        return getattr(importlib.import_module(module), func)
     except (ImportError, AttributeError):
         return None
 

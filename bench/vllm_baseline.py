@@ -61,7 +61,7 @@ def _spec_class() -> type:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-    class BaselineCPUOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
+    class BaselineCPUOffloadingSpec(OffloadingSpec):
         def __init__(self, config: Any) -> None:
             super().__init__(config)
             self._manager = CPUOffloadingManager(

@@ -142,7 +142,7 @@ class MiniEngine:
 
         self.shape = sh = shape
         vc = build_vllm_config(extra_config, sh.block, sh.unit, max_model_len=sh.max_model_len)
-        vc.model_config = _EngineModelConfig(sh.max_model_len)  # type: ignore[assignment]
+        vc.model_config = _EngineModelConfig(sh.max_model_len)
         vc.cache_config.kv_cache_layout = "LBHNC"
         vc.scheduler_config.max_num_batched_tokens = max_batched_tokens
         assert vc.kv_transfer_config is not None

@@ -207,9 +207,9 @@ def encode_batch_positional(batch: EventBatch) -> bytes:
 
 
 def _from_legacy(raw: list[Any]) -> KVEvent:
-    legacy = msgspec.convert(raw, _LegacyEvent)  # type: ignore[arg-type]
+    legacy = msgspec.convert(raw, _LegacyEvent)
     cls = _LEGACY_TO_CANONICAL[type(legacy)]
-    return cls(**msgspec.structs.asdict(legacy))  # type: ignore[no-any-return]
+    return cls(**msgspec.structs.asdict(legacy))
 
 
 def decode_batch(payload: bytes) -> EventBatch:
@@ -231,7 +231,7 @@ def decode_batch(payload: bytes) -> EventBatch:
             if isinstance(raw, list):
                 events.append(_from_legacy(raw))
             else:
-                events.append(msgspec.convert(raw, KVEvent))  # type: ignore[arg-type]
+                events.append(msgspec.convert(raw, KVEvent))
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
         raise MalformedPayload(f"not a KV-event batch: {first_error}") from exc
     return EventBatch(ts=loose.ts, events=events, data_parallel_rank=loose.data_parallel_rank)

@@ -22,14 +22,14 @@ import time
 from typing import Any
 
 from kvoffload.connector.vllm.handover import CURRENT, Handover
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # type: ignore[import-untyped]
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
 log = logging.getLogger("kvoffload.connector.vllm")
 
 
-class KVOffloadConnector(OffloadingConnector):  # type: ignore[misc]
+class KVOffloadConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         box = Handover(kv_cache_config)
         token = CURRENT.set(box)

@@ -27,7 +27,7 @@ def _group_spec(group: Any, kv_cache_config: Any, config: Any) -> GroupSpec:
                              mamba_align=tokens > config.cache.tokens_per_hash)
         return GroupSpec(GroupKind.SLIDING_WINDOW, tokens, nbytes,
                          sliding_window_tokens=window * tokens * config.cache.blocks_per_chunk)
-    from vllm.v1.kv_cache_interface import (  # type: ignore[import-untyped]
+    from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         MambaSpec,
         SlidingWindowSpec,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm.v1.kv_offload.base import LoadStoreSpec  # type: ignore[import-untyped]
+from vllm.v1.kv_offload.base import LoadStoreSpec
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class PoolInfo:
     index_path: str = ""  # the shared index whose generations prove a load intact
 
 
-class PoolSlotsSpec(LoadStoreSpec):  # type: ignore[misc]
+class PoolSlotsSpec(LoadStoreSpec):
     def __init__(self, slots: list[int], pool: PoolInfo | None, gens: list[int] | None = None,
                  req_id: str | None = None) -> None:
         self.slots = slots

@@ -36,7 +36,7 @@ from kvoffload.connector.vllm.requests import RequestInfo, store_item
 from kvoffload.connector.vllm.settings import ManagerSettings
 from kvoffload.daemon.base import Geometry, key_group
 from kvoffload.daemon.control import protocol as p
-from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
+from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
     OffloadingManager,
@@ -59,7 +59,7 @@ def _empty_store() -> PrepareStoreOutput:
                               evicted_keys=[])
 
 
-class DaemonOffloadingManager(OffloadingManager):  # type: ignore[misc]
+class DaemonOffloadingManager(OffloadingManager):
     def __init__(self, session: IndexSession, geometry: Geometry,
                  settings: ManagerSettings) -> None:
         self.session = session

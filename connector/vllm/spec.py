@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-import vllm  # type: ignore[import-untyped]
+import vllm
 from kvoffload.connector.session import IndexSession
 from kvoffload.connector.vllm import handover
 from kvoffload.connector.vllm.geometry import build_geometry
@@ -23,18 +23,18 @@ from kvoffload.connector.vllm.settings import (
     manager_settings,
 )
 from kvoffload.daemon.control.security import CurveClientKeys
-from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
+from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
     OffloadingSpec,
     OffloadingWorker,
 )
-from vllm.v1.kv_offload.config import OffloadingConfig  # type: ignore[import-untyped]
+from vllm.v1.kv_offload.config import OffloadingConfig
 
 log = logging.getLogger("kvoffload.connector.vllm")
 
 
-class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
+class KVOffloadSpec(OffloadingSpec):
     """Loaded with ``spec_name="KVOffloadSpec"``, ``spec_module_path="kvoffload.connector.vllm"``
     (by ``KVOffloadConnector``, or by vLLM's stock ``OffloadingConnector``)."""
 

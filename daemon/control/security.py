@@ -252,7 +252,7 @@ class CurveGuard:
         # Failures before ZAP (mechanism mismatch, bad hello) only show up as monitor events.
         mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-        self._monitor = mon  # type: ignore[assignment]
+        self._monitor = mon
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._serve_zap()), loop.create_task(self._watch())]
 

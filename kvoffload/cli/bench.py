@@ -7,7 +7,7 @@ import argparse
 from kvoffload.bench.runner import SUITES, run_bench
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks against same-run baselines")
     b.add_argument("--suite", action="append", choices=sorted(SUITES),
                    help="run only this suite (repeatable)")

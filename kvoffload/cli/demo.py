@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("demo", help="a daemon plus a simulated hybrid-model engine")
     d.add_argument("--connect", help="use a running daemon's control endpoint")
     from kvoffload.bench.workload import PRESETS

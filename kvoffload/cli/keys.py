@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     k = sub.add_parser("keys", help="generate a CURVE key pair (NAME.key, NAME.key_secret)")
     k.add_argument("--out", required=True, help="directory for the key files (created 0700)")
     k.add_argument("--name", default="server",

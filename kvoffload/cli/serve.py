@@ -10,7 +10,7 @@ import sys
 _NOT_SETTINGS = {"command", "handler", "config", "ready_file"}
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="run the offload daemon")
     s.add_argument("--config", help="TOML settings file (then KVOFFLOAD_* env, then flags)")
     s.add_argument("--control", help="control endpoint (default ipc://<runtime dir>/control.sock)")

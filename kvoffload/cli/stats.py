@@ -7,7 +7,7 @@ import argparse
 from kvoffload.daemon.ops.stats import run_stats
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("stats", help="summarize a running daemon (hit rates, pool, misses)")
     s.add_argument("--connect", metavar="EP",
                    help="control endpoint (default: ipc://<runtime dir>/control.sock when "
