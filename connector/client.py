@@ -259,7 +259,7 @@ class AsyncDaemonClient:
         self.timeout_ms = timeout_ms
         self.name = name or f"async client pid {os.getpid()}"
         self._ctx = zmq.asyncio.Context.instance()
-        self._sock = cast(zmq.asyncio.Socket, _make_socket(self._ctx, endpoint, curve))  # type: ignore[arg-type]
+        self._sock = cast(zmq.asyncio.Socket, _make_socket(self._ctx, endpoint, curve))
         self._rids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[p._Msg]] = {}
         self._reader: asyncio.Task[None] | None = None
