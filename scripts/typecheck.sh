@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# mypy over every package under its import name (kvoffload.daemon, kvoffload.connector, ...).
+# mypy over every package under its import name (kvoffload.daemon, kvoffload.connector, ...),
+# and over tests/ (the package `tests`, as pytest imports it).
 #
 #   bash scripts/typecheck.sh                     # everything (what CI runs)
-#   bash scripts/typecheck.sh daemon/config.py    # some files or folders (repo paths)
-#   bash scripts/typecheck.sh --warn-unused-ignores   # options go to mypy
+#   bash scripts/typecheck.sh daemon/config.py tests/events   # some files or folders (repo paths)
+#   bash scripts/typecheck.sh --strict-equality   # options go to mypy
 #
 # Why a script: the import names map to top-level folders (daemon/ -> kvoffload.daemon, see
 # ROOTS in setup.py), which setuptools' editable finder resolves at run time but mypy cannot
@@ -17,6 +18,9 @@
 # setuptools' strict editable mode (a link tree too, but frozen at install time: new modules
 # are missed until a reinstall). mypy reports paths inside the temporary tree; they are
 # rewritten back to repo paths, so editors and readers see daemon/config.py:12.
+# tests/ needs no link: it is imported as `tests.*` from the repo root, which mypy searches
+# (the working directory), so it is checked in place; its kvoffload.* imports resolve to the
+# tree, which MYPYPATH puts first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -73,6 +77,9 @@ targets=()
 for arg in "$@"; do
   case "$arg" in -*) flags+=("$arg"); continue ;; esac
   rel=${arg#./}
+  # tests/ is checked where it is (see the header); its folders have __init__.py files, so
+  # mypy names the files tests.<...> from the repo root.
+  if [ "$rel" = tests ] || [ "${rel#tests/}" != "$rel" ]; then targets+=("$rel"); continue; fi
   mapped=
   for line in "${ROOTS[@]}"; do
     read -r name folder <<<"$line"
@@ -85,7 +92,16 @@ for arg in "$@"; do
   [ -n "$mapped" ] || { echo "typecheck: $arg is not under a package folder" >&2; exit 2; }
   targets+=("$mapped")
 done
-[ "${#targets[@]}" -gt 0 ] || targets=(-p kvoffload)
+# Where vLLM is not installed (KVOFFLOAD_SKIP_VLLM=1) its imports are Any, so the ignores its
+# types make necessary read as unused: only a venv with vLLM (CI's) checks for unused ignores.
+# An option given here still wins (it comes later).
+if ! "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("vllm") is None)' 2>/dev/null
+then
+  echo "typecheck: vLLM is not installed: unused type-ignores are not reported" >&2
+  flags=(--no-warn-unused-ignores ${flags[@]+"${flags[@]}"})
+fi
+# Packages, not paths: mypy takes either, not both, and -p names every module the same way.
+[ "${#targets[@]}" -gt 0 ] || targets=(-p kvoffload -p tests)
 
 set +e
 MYPYPATH=$TREE${MYPYPATH:+:$MYPYPATH} "$MYPY" --explicit-package-bases ${flags[@]+"${flags[@]}"} \
