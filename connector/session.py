@@ -24,10 +24,10 @@ import mmap
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
-from kvoffload.connector.client import DaemonClient, DaemonUnavailable
+from kvoffload.connector.client import DaemonClient, DaemonUnavailable, background_context
 from kvoffload.connector.index_view import IndexGone, IndexView
 from kvoffload.daemon.base import Geometry
 from kvoffload.daemon.control import protocol as p
@@ -35,6 +35,7 @@ from kvoffload.daemon.control.security import CurveClientKeys
 from kvoffload.daemon.store import shared_index as si
 
 log = logging.getLogger("kvoffload.connector")
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class ReaderRecord:
@@ -77,8 +78,9 @@ class IndexSession:
         self.retry_ms = retry_ms
         self.liveness_ns = liveness_ms * 1_000_000
         self.instance = instance
+        # Its own context: the I/O thread a Step's send wakes does not preempt the step.
         self.client = DaemonClient(endpoint, timeout_ms=timeout_ms, name=name, curve=curve,
-                                   time_model=time_model)
+                                   time_model=time_model, context=background_context())
         self.view: IndexView | None = None
         self.reg: p.Registered | None = None
         self._record: ReaderRecord | None = None
@@ -203,8 +205,9 @@ class IndexSession:
     def _poll(self) -> list[p.StepReply]:
         out: list[p.StepReply] = []
         sock = self._sock
-        # Checking the socket's events is cheaper than a receive that raises when empty.
-        while sock is not None and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        # Checking the socket's events is cheaper than a receive that raises when empty
+        # (plain ints: pyzmq's enum operators cost more than the option read itself).
+        while sock is not None and cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
