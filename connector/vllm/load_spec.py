@@ -6,11 +6,16 @@ the job's i-th key; vLLM lists keys in the order of the job's GPU blocks (group 
 block per key). A slot of -1 means "nothing to copy for this block" (a store the plugin could
 not place). ``gens`` are the slots' writer generations as the manager saw them: a worker that
 finds a slot handed to another writer fails the load instead of using the bytes.
+
+vLLM pickles the connector metadata once per step for its workers, and every worker unpickles
+it: both classes pickle as one constructor call over a tuple (no attribute names, no
+``__dict__`` rebuilt): a third fewer bytes than default instance pickling, and faster both ways.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.v1.kv_offload.base import LoadStoreSpec
 
@@ -26,6 +31,10 @@ class PoolInfo:
     rank_bytes: int
     index_path: str = ""  # the shared index whose generations prove a load intact
 
+    def __reduce__(self) -> tuple[type[PoolInfo], tuple[str, str, int, int, int, str]]:
+        return PoolInfo, (self.daemon_id, self.pool_path, self.pool_bytes, self.slot_bytes,
+                          self.rank_bytes, self.index_path)
+
 
 class PoolSlotsSpec(LoadStoreSpec):
     def __init__(self, slots: list[int], pool: PoolInfo | None, gens: list[int] | None = None,
@@ -34,6 +43,9 @@ class PoolSlotsSpec(LoadStoreSpec):
         self.pool = pool
         self.gens = gens if gens is not None else [0] * len(slots)
         self.req_id = req_id  # loads: the request a failed copy is reported for
+
+    def __reduce__(self) -> tuple[type[PoolSlotsSpec], tuple[Any, ...]]:
+        return PoolSlotsSpec, (self.slots, self.pool, self.gens, self.req_id)
 
     def __repr__(self) -> str:
         return f"PoolSlotsSpec(slots={self.slots}, gens={self.gens})"
