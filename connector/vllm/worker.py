@@ -36,7 +36,7 @@ from kvoffload.connector.transfer.engine import (
 )
 from kvoffload.connector.transfer.pool_map import PoolMapping
 from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
-from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
+from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
@@ -47,7 +47,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped]
 log = logging.getLogger("kvoffload.connector.vllm")
 
 
-class DaemonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
+class DaemonOffloadingWorker(OffloadingWorker):
     def __init__(
         self,
         kv_caches: CanonicalKVCaches,
