@@ -59,6 +59,19 @@ def _committed(daemon: DaemonHandle, e: Any) -> None:
     c.close()
 
 
+def _reset_handled(daemon: DaemonHandle) -> None:
+    """Wait until the daemon has answered one Reset (its handler drops the blocks at once)."""
+    import time
+
+    from kvoffload.bench.suites.load import metric_sum, scrape_metrics
+
+    deadline = time.monotonic() + 30
+    while metric_sum(scrape_metrics(daemon.http_url), "kvoffload_requests_total",
+                     op="reset") < 1:
+        assert time.monotonic() < deadline, "the daemon never got the Reset"
+        time.sleep(0.01)
+
+
 def _fresh(e: Any) -> None:
     assert e.scheduler.reset_prefix_cache()
     e.scribble()
@@ -113,6 +126,9 @@ def test_one_engines_connector_reset_leaves_the_others_blocks(daemon: DaemonHand
     # vLLM's reset_prefix_cache(reset_connector=True) on A: only A's blocks go (the default).
     assert a.scheduler.reset_prefix_cache(reset_connector=True)
     a.run(until=lambda: not a.busy())
+    # A's Reset leaves on A's session in the background: nothing orders it before B's
+    # lookups on B's own socket (A's own lookups would follow it). Wait until it is handled.
+    _reset_handled(daemon)
     a.scribble()
     _fresh(b)
     assert _serve(b, theirs, "b2") == 2  # B's blocks are still there
