@@ -50,7 +50,13 @@ from kvoffload.connector.transfer.base import (
     RefusedCopier,
     check_geometry,
 )
-from kvoffload.connector.transfer.cpu import CpuLane, CpuMemcpy, KVHugePages, default_cpu_threads
+from kvoffload.connector.transfer.cpu import (
+    CpuLane,
+    CpuMemcpy,
+    KVHugePages,
+    PriorityGate,
+    default_cpu_threads,
+)
 from kvoffload.connector.transfer.cuda import CudaLauncher
 from kvoffload.connector.transfer.layout import (
     KVLayout,
@@ -86,9 +92,12 @@ LANES = (STORE, LOAD, EXPEDITED)
 
 
 def build_cpu_lanes(rank: int = 0, threads: int | None = None) -> dict[str, CpuLane]:
-    """The CPU lanes (threads started now) that one or more successive copiers can share."""
+    """The CPU lanes (threads started now) that one or more successive copiers can share; the
+    store and load lanes step aside while an expedited load is in flight (cpu.PriorityGate)."""
     n = threads or default_cpu_threads()
-    return {lane: CpuLane(f"kvoffload-{lane}-r{rank}", n) for lane in LANES}
+    gate = PriorityGate()
+    return {lane: CpuLane(f"kvoffload-{lane}-r{rank}", n, gate, priority=lane == EXPEDITED)
+            for lane in LANES}
 
 
 @dataclass

@@ -126,3 +126,45 @@ def test_lanes_outlive_the_copiers_that_share_them(mapping: PoolMapping) -> None
         for lane in lanes.values():
             lane.close()
     assert not lanes[STORE]._thread.is_alive()
+
+
+def test_store_threads_step_aside_while_an_expedited_load_is_in_flight(
+        mapping: PoolMapping, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    monkeypatch.setattr(copy_cpu, "_CHUNK_BYTES", SLOT // 2)  # many small units per job
+    lanes = build_cpu_lanes(rank=5, threads=1)  # one thread a lane: the order is exact
+    events: list[str] = []
+    lock = threading.Lock()
+    holding, release = threading.Event(), threading.Event()
+    real = copy_cpu.np.copyto
+
+    def copyto(dst: Any, src: Any) -> None:
+        kind = "E" if "expedited" in threading.current_thread().name else "S"
+        with lock:
+            events.append(kind)
+        if kind == "S" and not holding.is_set():
+            holding.set()  # the store's first unit is held mid-copy
+            assert release.wait(10)
+        real(dst, src)
+
+    src = layer_compact(6)
+    try:
+        with BlockCopier(mapping, src, 0, 1, SLOT, cpu_lanes=lanes) as w:
+            monkeypatch.setattr(copy_cpu.np, "copyto", copyto)
+            assert w.submit_store(1, ITEMS)
+            assert holding.wait(10)
+            with lock:
+                events.append("submit")
+            assert w.submit_load(2, [(0, 30, 5), (0, 31, 9)], expedited=True)
+            release.set()
+            w.wait([1, 2])
+            monkeypatch.setattr(copy_cpu.np, "copyto", real)
+            assert sorted((r.job_id, r.ok) for r in w.get_finished()) == [(1, True), (2, True)]
+    finally:
+        for lane in lanes.values():
+            lane.close()
+    after = events[events.index("submit") + 1 :]
+    assert "E" in after and "S" in after
+    # Every piece of the expedited load ran before the store copied its next unit.
+    first_store = after.index("S")
+    assert set(after[:first_store]) == {"E"} and "E" not in after[first_store:]
+    check_pool(mapping.slot_view(SLOT), src, ITEMS)
