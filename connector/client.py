@@ -45,28 +45,34 @@ def _expect(reply: p._Msg, kind: type[R]) -> R:
     return reply
 
 
-BATCH_IO = True  # background_context() asks for SCHED_BATCH I/O threads
-_background: tuple[int, zmq.Context[Any]] | None = None
+_background: dict[tuple[int, bool], zmq.Context[Any]] = {}
 
 
-def background_context() -> zmq.Context[Any]:
-    """This process's context for the scheduler-side session, its I/O thread in SCHED_BATCH.
+def background_context(sched_batch: bool = False) -> zmq.Context[Any]:
+    """This process's context for the scheduler-side session (its own, so vLLM's sockets in
+    the same process keep theirs; one per process and policy, re-made after a fork).
 
-    Every send wakes the context's I/O thread, and a woken thread of the default policy
-    preempts the thread that woke it: on a busy host the engine's scheduler then waits,
-    mid-step, for the I/O thread and whatever runs after it (measured: ~100 us of a
-    ~10 us send). A SCHED_BATCH thread never preempts on wake-up; it runs on an idle core
-    or once the scheduler thread blocks or uses up its slice. Its own context, so vLLM's
-    sockets in the same process keep theirs. One per process (re-made after a fork)."""
-    global _background
-    if _background is None or _background[0] != os.getpid():
-        ctx: zmq.Context[Any] = zmq.Context()
+    ``sched_batch`` (the plugin's ``kvoffload_io_sched_batch``, off by default) runs its I/O
+    thread in SCHED_BATCH. Every send wakes that thread, and a woken thread of the default
+    policy preempts the thread that woke it: on a busy host the engine's scheduler then waits,
+    mid-step, for the I/O thread and whatever runs after it (measured: ~100-200 us of a ~10 us
+    send; scheduler time per step 1.4-1.55x vLLM's with it, 2.0-2.4x without). The price: a
+    SCHED_BATCH thread runs only on an idle core or once the scheduler thread blocks or uses
+    up its slice, so on a host without an idle core the daemon's replies (a tier's answers
+    among them) are read later: measured, a test engine spinning its steps waited 7-160 ms
+    for one, and missed its 200-step bound in 8 of 14 runs at load 1-2."""
+    key = (os.getpid(), sched_batch)
+    ctx = _background.get(key)
+    if ctx is None:
+        if any(pid != key[0] for pid, _ in _background):
+            _background.clear()  # a forked child: its parent's contexts are not its own
+        ctx = zmq.Context()
         policy = getattr(os, "SCHED_BATCH", None)  # Linux only
-        if policy is not None and BATCH_IO:
+        if policy is not None and sched_batch:
             with contextlib.suppress(zmq.ZMQError, AttributeError):  # older libzmq
                 ctx.set(zmq.THREAD_SCHED_POLICY, policy)  # no priority: libzmq leaves nice
-        _background = (os.getpid(), ctx)
-    return _background[1]
+        _background[key] = ctx
+    return ctx
 
 
 def _make_socket(ctx: zmq.Context[Any], endpoint: str,

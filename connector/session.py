@@ -69,7 +69,7 @@ class IndexSession:
                  retry_ms: int = 1000, liveness_ms: int = 2000, name: str = "",
                  instance: str = "", curve: CurveClientKeys | None = None,
                  time_model: tuple[float, float] | None = None, sync_ms: int = 2,
-                 data_parallel_rank: int | None = None) -> None:
+                 data_parallel_rank: int | None = None, io_sched_batch: bool = False) -> None:
         self.endpoint = endpoint
         self.data_parallel_rank = data_parallel_rank  # sent on Register: the daemon's view
         self.sync_ms = sync_ms  # longest wait for our own writes' replies at a step's start
@@ -78,9 +78,11 @@ class IndexSession:
         self.retry_ms = retry_ms
         self.liveness_ns = liveness_ms * 1_000_000
         self.instance = instance
-        # Its own context: the I/O thread a Step's send wakes does not preempt the step.
+        # Its own context (client.background_context: with io_sched_batch, the I/O thread a
+        # Step's send wakes does not preempt the step).
         self.client = DaemonClient(endpoint, timeout_ms=timeout_ms, name=name, curve=curve,
-                                   time_model=time_model, context=background_context())
+                                   time_model=time_model,
+                                   context=background_context(io_sched_batch))
         self.view: IndexView | None = None
         self.reg: p.Registered | None = None
         self._record: ReaderRecord | None = None

@@ -44,6 +44,7 @@ class ManagerSettings:
     reserve: int = 64  # empty slots kept at hand so prepare_store never waits
     find_ttl_steps: int = 64  # a key no tier holds is asked again after this many steps
     time_model: tuple[float, float] | None = None
+    io_sched_batch: bool = False  # the session's I/O thread in SCHED_BATCH (client.py: why)
 
 
 def _setting(extra: Mapping[str, Any], key: str, default: Any, kind: type) -> Any:
@@ -87,7 +88,8 @@ def manager_settings(extra: Mapping[str, Any]) -> ManagerSettings:
         policy=policy, reset_scope=scope,
         reserve=_setting(extra, "kvoffload_store_reserve", 64, int),
         find_ttl_steps=_setting(extra, "kvoffload_find_ttl_steps", 64, int),
-        time_model=_time_model(extra))
+        time_model=_time_model(extra),
+        io_sched_batch=_setting(extra, "kvoffload_io_sched_batch", False, bool))
     for key, value in (("kvoffload_retry_ms", settings.retry_ms),
                        ("kvoffload_sync_ms", settings.sync_ms)):
         if value < 0:

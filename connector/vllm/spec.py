@@ -71,7 +71,8 @@ class KVOffloadSpec(OffloadingSpec):
                 name=f"vllm scheduler {self.config.engine_id} pid {os.getpid()}",
                 curve=CurveClientKeys.from_settings(self.extra_config),
                 time_model=s.time_model, sync_ms=s.sync_ms,
-                data_parallel_rank=self.config.parallel.data_parallel_index)
+                data_parallel_rank=self.config.parallel.data_parallel_index,
+                io_sched_batch=s.io_sched_batch)
             self._manager = DaemonOffloadingManager(session, self.geometry, s)
             self._manager.attach()  # at start, not inside the first scheduler step
             if self.handover is not None:
