@@ -248,23 +248,25 @@ class BlockCopier:
             return arr.reshape(0, 3)
         if arr.ndim != 2 or arr.shape[1] != 3:
             return f"items must be (group_idx, block_id, slot) triples, got shape {arr.shape}"
-        groups, blocks, slots = arr[:, 0], arr[:, 1], arr[:, 2]
-        if groups.min() < 0 or groups.max() >= len(self.layout.groups):
-            return f"group index outside [0, {len(self.layout.groups)})"
-        if blocks.min() < 0 or blocks.max() >= self.layout.num_blocks:
-            return f"block id outside [0, {self.layout.num_blocks})"
-        if slots.min() < 0 or slots.max() >= self.num_slots:
-            return f"slot outside [0, {self.num_slots})"
+        bounds = np.array([len(self.layout.groups), self.layout.num_blocks, self.num_slots])
+        if bool((arr < 0).any()) or bool((arr >= bounds).any()):
+            col = int(np.flatnonzero(((arr < 0) | (arr >= bounds)).any(axis=0))[0])
+            what = ("group index", "block id", "slot")[col]
+            return f"{what} outside [0, {int(bounds[col])})"
         # Two items writing the same destination would make the result depend on copy order.
-        dest = slots if direction == STORE else groups * self.layout.num_blocks + blocks
-        ordered = np.sort(dest)
+        # One sort serves the check and the plan: stores copy in slot order (the pool written
+        # front to back), loads in (group, block) order.
+        dest = arr[:, 2] if direction == STORE else arr[:, 0] * self.layout.num_blocks + arr[:, 1]
+        order = np.argsort(dest, kind="stable")
+        ordered = dest[order]
         if bool((ordered[1:] == ordered[:-1]).any()):
             return ("a slot appears twice in one store" if direction == STORE
                     else "a (group, block) appears twice in one load")
-        return arr
+        return arr[order]
 
     def _plan(self, arr: np.ndarray, store: bool) -> list[SegmentWork]:
-        return plan_work(self._views, arr, by_slot=store)  # stores write the pool in order
+        # ``arr`` comes sorted from _check_items: slot order for stores, block order for loads.
+        return plan_work(self._views, arr, by_slot=store, presorted=True)
 
     # ---- execution ----------------------------------------------------------------------
 
