@@ -135,8 +135,11 @@ def _one_page(name: str, page: int, layers: int, job_bytes: int, reps: int,
 
         submit_s: dict[str, list[float]] = {}  # the caller's part: what the engine's step pays
 
-        def job(store: bool, job_items: list[tuple[int, int, int]],
+        def job(store: bool, items_list: list[tuple[int, int, int]],
                 key: str) -> Callable[[], None]:
+            # As our vLLM worker hands them over: one (n, 3) int64 array per job.
+            job_items = np.asarray(items_list, dtype=np.int64)
+
             def run() -> None:
                 nonlocal job_id
                 job_id += 1
