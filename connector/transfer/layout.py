@@ -274,15 +274,17 @@ def items_for_groups(
     return np.stack([groups, blocks, where], axis=1)
 
 
-def block_run_arrays(blocks: np.ndarray, slots: np.ndarray, by_slot: bool = False
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``block_runs`` as three int64 arrays (first blocks, first slots, lengths)."""
-    order = np.argsort(slots if by_slot else blocks, kind="stable")
-    b, s = blocks[order], slots[order]
-    breaks = np.flatnonzero((np.diff(b) != 1) | (np.diff(s) != 1)) + 1
-    starts = np.concatenate(([0], breaks)).astype(np.int64)
-    ends = np.concatenate((breaks, [len(b)])).astype(np.int64)
-    return b[starts], s[starts], ends - starts
+def block_run_arrays(blocks: np.ndarray, slots: np.ndarray, by_slot: bool = False,
+                     ordered: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``block_runs`` as three int64 arrays (first blocks, first slots, lengths). ``ordered``:
+    the items are in that order already (a plan's are), so no sort."""
+    if ordered:
+        b, s = blocks, slots
+    else:
+        order = np.argsort(slots if by_slot else blocks, kind="stable")
+        b, s = blocks[order], slots[order]
+    starts = np.flatnonzero(np.concatenate(([True], (np.diff(b) != 1) | (np.diff(s) != 1))))
+    return b[starts], s[starts], np.diff(np.append(starts, len(b)))
 
 
 def block_runs(blocks: np.ndarray, slots: np.ndarray, by_slot: bool = False

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvoffload.connector.transfer.layout import KVLayout, block_run_arrays, block_runs
+from kvoffload.connector.transfer.layout import KVLayout, block_run_arrays
 
 CopyOp = tuple[Any, Any]  # (dst, src) views of equal shape, last dim contiguous
 
@@ -91,7 +91,10 @@ def plan_work(views: SegmentViews, arr: np.ndarray, by_slot: bool = False,
 def iter_ops(work: list[SegmentWork], store: bool) -> Iterator[CopyOp]:
     """One view pair per run of consecutive blocks in consecutive slots, per segment."""
     for w in work:
-        for b0, s0, n in block_runs(w.blocks, w.slots, w.by_slot):
+        if len(w.blocks) == 0:
+            continue
+        b0s, s0s, ns = block_run_arrays(w.blocks, w.slots, w.by_slot, ordered=True)
+        for b0, s0, n in zip(b0s.tolist(), s0s.tolist(), ns.tolist(), strict=True):
             kv = w.kv[b0] if n == 1 else w.kv[b0 : b0 + n]
             pool = w.pool[s0] if n == 1 else w.pool[s0 : s0 + n]
             yield (pool, kv) if store else (kv, pool)
@@ -115,8 +118,12 @@ def copy_units(work: list[SegmentWork], limit: int) -> list[Unit]:
             continue
         count, width = int(w.kv.shape[1]), int(w.kv.shape[2])
         row = count * width
-        b0, s0, n = block_run_arrays(w.blocks, w.slots, w.by_slot)
-        if row <= limit:
+        b0, s0, n = block_run_arrays(w.blocks, w.slots, w.by_slot, ordered=True)
+        if row <= limit and int(n.max()) <= max(1, limit // max(row, 1)):
+            # Every run is one unit (scattered items, the usual case): no splitting.
+            units.extend(zip(repeat(i), b0.tolist(), s0.tolist(), n.tolist(), repeat(0),
+                             repeat(count)))
+        elif row <= limit:
             step = max(1, limit // max(row, 1))
             pieces_per_run = (n + step - 1) // step
             run = np.repeat(np.arange(len(n)), pieces_per_run)
