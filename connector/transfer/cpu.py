@@ -59,11 +59,12 @@ class CpuMemcpy:
         run = _Run(work, store, self.yield_to)
         for helper in self._helpers:
             helper.queue.put(run)
+        units: list[Unit] = []
         try:
             try:
                 units = copy_units(work, _CHUNK_BYTES)
             finally:
-                run.publish(units if "units" in locals() else [])
+                run.publish(units)  # empty if cutting failed: the helpers return at once
             _copy_units(work, run.units, store, self.yield_to)
         finally:
             # Every piece must have stopped before the job is reported, even a failed one.
