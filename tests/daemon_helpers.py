@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 class DaemonHandle:
@@ -102,3 +103,32 @@ def run_daemon(tmp_path: Path, *extra_args: str, pool_bytes: int = 64 << 20,
     finally:
         handle.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def server_in_thread(config: Any) -> Iterator[tuple[Any, Any]]:
+    """The daemon's ``Server`` on its own event loop in a thread of this process, for tests that
+    reach into it (its sockets, sweeper, tiers): yields ``(server, loop)``; stopped on exit."""
+    import asyncio
+    import threading
+
+    from kvoffload.daemon.server import Server
+
+    server = Server(config)
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+
+    async def main() -> None:
+        await server.start()
+        started.set()
+        await server.wait_stopped()
+        await server.shutdown()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    try:
+        assert started.wait(30), "the daemon did not start"
+        yield server, loop
+    finally:
+        loop.call_soon_threadsafe(server.request_stop)
+        thread.join(30)

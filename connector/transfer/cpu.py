@@ -88,9 +88,7 @@ class _Run:
         self.store = store
         self.gate = gate
         self.errors: list[BaseException] = []
-        self._cond = threading.Condition()
-        self._active = 0
-        self._closed = False
+        self.copying = _Count()  # helpers inside the run
 
     def publish(self, units: list[Unit]) -> None:
         self.units = iter(units)
@@ -98,24 +96,14 @@ class _Run:
 
     def join(self) -> bool:
         """A helper's entry: False once the caller has taken every unit and closed the run."""
-        with self._cond:
-            if self._closed:
-                return False
-            self._active += 1
-            return True
+        return self.copying.enter()
 
     def leave(self) -> None:
-        with self._cond:
-            self._active -= 1
-            if not self._active:
-                self._cond.notify_all()
+        self.copying.leave()
 
     def close(self) -> None:
         """The caller's exit: no helper joins after this; waits for those copying."""
-        with self._cond:
-            self._closed = True
-            while self._active:
-                self._cond.wait()
+        self.copying.wait_zero(close=True)
 
 
 class _Helper:
@@ -190,30 +178,41 @@ class SpreadHint:
             self._getcpu = None
 
 
-class PriorityGate:
-    """Expedited jobs in flight, counted from their submission: while any is, the other lanes'
-    copy threads stop between two units (each at most ~1 MiB, tens of microseconds) and give
-    it the cores. Measured before it: a 2 MiB expedited load behind a 32 MiB store took as
-    long as a regular one (1.17 ms p50, 0.24 ms idle), the store's two threads on both cores."""
+class _Count:
+    """A count under a condition: ``enter`` (refused once closed), ``leave``, and waiting
+    until it is back to zero."""
 
     def __init__(self) -> None:
-        self.busy = 0  # read without the lock between units: a stale read costs one unit
+        self.value = 0  # read without the lock where a stale read is harmless
+        self._closed = False
         self._cond = threading.Condition()
 
-    def enter(self) -> None:
+    def enter(self) -> bool:
         with self._cond:
-            self.busy += 1
+            if self._closed:
+                return False
+            self.value += 1
+            return True
 
     def leave(self) -> None:
         with self._cond:
-            self.busy -= 1
-            if not self.busy:
+            self.value -= 1
+            if not self.value:
                 self._cond.notify_all()
 
-    def wait_clear(self) -> None:
+    def wait_zero(self, close: bool = False) -> None:
         with self._cond:
-            while self.busy:
+            self._closed = self._closed or close
+            while self.value:
                 self._cond.wait()
+
+
+class PriorityGate(_Count):
+    """Expedited jobs in flight, counted from their submission: while any is, the other lanes'
+    copy threads stop between two units (each at most ~1 MiB, tens of microseconds) and give
+    it the cores (a stale read of the count costs one unit). Measured before it: a 2 MiB
+    expedited load behind a 32 MiB store took as long as a regular one (1.17 ms p50, 0.24 ms
+    idle), the store's two threads on both cores."""
 
 
 def _copy_units(work: list[SegmentWork], units: Iterable[Unit], store: bool,
@@ -229,8 +228,8 @@ def _copy_units(work: list[SegmentWork], units: Iterable[Unit], store: bool,
     # A unit is at most _CHUNK_BYTES unless one region alone is larger: those get split.
     wide = [int(w.kv.shape[2]) > _CHUNK_BYTES for w in work]
     for i, b0, s0, n, j0, j1 in units:
-        if gate is not None and gate.busy:
-            gate.wait_clear()
+        if gate is not None and gate.value:
+            gate.wait_zero()
         if n == 1:
             if j0 == 0 and j1 == counts[i]:
                 kv, pool = kvs[i][b0], pools[i][s0]

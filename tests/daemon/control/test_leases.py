@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,10 +28,9 @@ from kvoffload.daemon.base import make_key
 from kvoffload.daemon.config import load_config
 from kvoffload.daemon.control import protocol as p
 from kvoffload.daemon.ops.loop_health import has_unread
-from kvoffload.daemon.server import Server
 
 from tests.daemon.test_server import EXAMPLE, store
-from tests.daemon_helpers import run_daemon
+from tests.daemon_helpers import run_daemon, server_in_thread
 
 CYCLES = int(os.environ.get("KVO_DEATH_CYCLES", "10000"))
 BATCH = 500  # clients alive at once (max_clients is 1024)
@@ -191,16 +189,14 @@ def test_unread_frames_keep_a_lease_until_read(tmp_path) -> None:
         "control": f"ipc://{work}/c.sock", "pool_path": f"/dev/shm/kvoffload-test-{work.name}",
         "pool_bytes": 1 << 20, "slot_bytes": 1024, "http": "127.0.0.1:0", "prefault": False,
         "lease_ms": 400})  # clients ask for 100 ms; the flood bound is 4 s
-    server = Server(config)
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
+    try:
+        with server_in_thread(config) as (server, loop):
+            _unread_frames(server, loop, config)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
-    async def main() -> None:
-        await server.start()
-        started.set()
-        await server.wait_stopped()
-        await server.shutdown()
 
+def _unread_frames(server: Any, loop: Any, config: Any) -> None:
     def on_loop(fn: Callable[[], Any]) -> Any:
         async def call() -> Any:
             return fn()
@@ -214,9 +210,6 @@ def test_unread_frames_keep_a_lease_until_read(tmp_path) -> None:
             on_loop(lambda: server._loops[0].cancel())
             _until(lambda: on_loop(lambda: server._loops[0].done()))
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert started.wait(30)
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -259,6 +252,3 @@ def test_unread_frames_keep_a_lease_until_read(tmp_path) -> None:
         reading(True)
     finally:
         sock.close(linger=0)
-        loop.call_soon_threadsafe(server.request_stop)
-        thread.join(30)
-        shutil.rmtree(work, ignore_errors=True)

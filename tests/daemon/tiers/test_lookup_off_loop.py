@@ -8,7 +8,6 @@ opens. On the loop, the other client would get no answer until then.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import shutil
 import tempfile
@@ -22,7 +21,8 @@ from kvoffload.connector.client import DaemonClient
 from kvoffload.daemon.base import Geometry, GroupKind, GroupSpec
 from kvoffload.daemon.config import load_config
 from kvoffload.daemon.control import protocol as p
-from kvoffload.daemon.server import Server
+
+from tests.daemon_helpers import server_in_thread
 
 GEOM = Geometry(namespace="off-loop", groups=(GroupSpec(GroupKind.FULL_ATTENTION, 16, 1024),),
                 tokens_per_hash=16)
@@ -36,19 +36,16 @@ def test_a_long_query_on_a_tier_daemon_does_not_hold_the_loop() -> None:
         "control": f"ipc://{work}/control.sock", "pool_path": pool, "pool_bytes": 1 << 20,
         "slot_bytes": 1024, "http": "127.0.0.1:0", "prefault": False,
         "disk_dir": str(work / "disk"), "disk_bytes": 1 << 20})
-    server = Server(config)
-    started = threading.Event()
-    loop = asyncio.new_event_loop()
+    try:
+        with server_in_thread(config) as (server, _loop):
+            _check_off_loop(server, config)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        for suffix in ("", ".index", ".index.readers"):
+            Path(pool + suffix).unlink(missing_ok=True)
 
-    async def main() -> None:
-        await server.start()
-        started.set()
-        await server.wait_stopped()
-        await server.shutdown()
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert started.wait(30)
+def _check_off_loop(server: Any, config: Any) -> None:
     assert server.tiers is not None
     disk: Any = server.tiers.tiers[0]
     gate, asked = threading.Event(), threading.Event()
@@ -92,8 +89,3 @@ def test_a_long_query_on_a_tier_daemon_does_not_hold_the_loop() -> None:
         gate.set()
         other.close()
         long_sock.close(linger=0)
-        loop.call_soon_threadsafe(server.request_stop)
-        thread.join(30)
-        shutil.rmtree(work, ignore_errors=True)
-        for suffix in ("", ".index", ".index.readers"):
-            Path(pool + suffix).unlink(missing_ok=True)
