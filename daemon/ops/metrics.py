@@ -80,7 +80,8 @@ class DaemonMetrics:
                                       "engine's time model, by decision (load, store).",
                                       ["decision"], registry=r)
         # Tiers below the pool (daemon/tiers): label `tier` is a fixed name ("disk").
-        self.tier_bytes = Gauge("kvoffload_tier_bytes", "Tier bytes by state (used, total).",
+        self.tier_bytes = Gauge("kvoffload_tier_bytes",
+                                "Tier bytes by state (used, total; writing: not yet on disk).",
                                 ["tier", "state"], registry=r)
         self.tier_blocks = Gauge("kvoffload_tier_blocks", "Blocks held by a tier.", ["tier"],
                                  registry=r)

@@ -114,6 +114,8 @@ class DiskTier(Tier):
         s = self._stats
         s.blocks = len(self._entries)
         self.metrics.tier_bytes.labels(self.name, "used").set(s.used_bytes)
+        # Bytes handed to the writer threads and not yet on disk (their reads come from memory).
+        self.metrics.tier_bytes.labels(self.name, "writing").set(self._backlog)
         self.metrics.tier_blocks.labels(self.name).set(s.blocks)
 
     def _nsh(self, ns: Namespace) -> bytes:
@@ -180,6 +182,7 @@ class DiskTier(Tier):
     def _written(self, k: tuple[bytes, bytes], entry: _Entry, fut: asyncio.Future[Any]) -> None:
         self._backlog -= entry.data_len
         entry.data = None
+        self._gauges()
         exc = None if fut.cancelled() else fut.exception()
         if fut.cancelled() or exc is not None:
             log.warning("disk tier: write of %s failed: %s", entry.path, exc)

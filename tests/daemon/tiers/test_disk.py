@@ -130,6 +130,8 @@ def test_parked_lookup_wakes_on_promotion(tmp_path, disk) -> None:
 def test_corrupt_file_is_a_counted_miss(tmp_path, disk) -> None:
     with start(tmp_path, disk) as d, attach(d) as (client, pool):
         evict_a(client, pool, disk)
+        # Until its write completes, a block is read back from memory, not from its file.
+        wait_for(lambda: metric(d, "kvoffload_tier_bytes", state="writing") == 0)
         for f in files(disk):  # flip the last data byte of every block
             raw = bytearray(f.read_bytes())
             raw[-1] ^= 0xFF
@@ -146,6 +148,7 @@ def test_corrupt_file_is_a_counted_miss(tmp_path, disk) -> None:
         store(client, pool, A)
         store(client, pool, other_keys("again", 4))
         wait_for(lambda: names <= {f.name for f in files(disk)})
+        wait_for(lambda: metric(d, "kvoffload_tier_bytes", state="writing") == 0)
         for f in files(disk):
             if f.name in names:
                 f.write_bytes(f.read_bytes()[:100])
