@@ -50,12 +50,9 @@ def _parts(extra: dict[str, Any], num_blocks: int, world: int, rank: int) -> tup
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
 
-    class TPModelConfig(_EngineModelConfig):
-        def get_total_num_kv_heads(self) -> int:
-            return world  # one KV head per rank: every rank holds its own page of a block
-
     vc = build_vllm_config(extra, BLOCK, UNIT)
-    vc.model_config = TPModelConfig(8192)
+    # One KV head per rank: every rank holds its own page of a block.
+    vc.model_config = _EngineModelConfig(8192, kv_heads=world)
     vc.cache_config.kv_cache_layout = "LBHNC"
     vc.scheduler_config.max_num_batched_tokens = 2048
     vc.kv_transfer_config.kv_connector = "KVOffloadConnector"

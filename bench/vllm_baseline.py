@@ -84,20 +84,22 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-class _StubModelConfig:
-    """What the offloading config code reads from ``ModelConfig`` (which would need a model)."""
+class StubModelConfig:
+    """What the offloading config code reads from ``ModelConfig`` (which would need a model).
+    ``kv_heads``: the model's KV heads (a TP world of N splits them, one page per rank)."""
 
     model = "kvoffload-bench-stub"
     use_mla = False
 
-    def __init__(self, max_model_len: int) -> None:
+    def __init__(self, max_model_len: int, kv_heads: int = 1) -> None:
         import torch
 
         self.dtype = torch.float16
         self.max_model_len = max_model_len
+        self.kv_heads = kv_heads
 
     def get_total_num_kv_heads(self) -> int:
-        return 1
+        return self.kv_heads
 
 
 def kv_cache_config(geometry: Geometry, num_blocks: int = 1 << 16, head_size: int = 8) -> Any:
@@ -153,7 +155,7 @@ def build_connector(geometry: Geometry, num_chunks: int, *, offload_prompt_only:
                                     "num_chunks": num_chunks,
                                     "offload_prompt_only": offload_prompt_only})
     config = VllmConfig(cache_config=cache, kv_transfer_config=transfer)
-    config.model_config = _StubModelConfig(max_model_len)  # type: ignore[assignment]
+    config.model_config = StubModelConfig(max_model_len)  # type: ignore[assignment]
     cls = connector_cls or OffloadingConnector
     return cls(config, KVConnectorRole.SCHEDULER, kv_cache_config(geometry, head_size=head_size))
 
@@ -203,7 +205,7 @@ def build_vllm_config(extra_config: Mapping[str, Any], block_size: int = 16,
     transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                 kv_connector_extra_config=dict(extra_config))
     config = VllmConfig(cache_config=cache, kv_transfer_config=transfer)
-    config.model_config = _StubModelConfig(max_model_len)  # type: ignore[assignment]
+    config.model_config = StubModelConfig(max_model_len)  # type: ignore[assignment]
     return config
 
 

@@ -33,7 +33,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch  # noqa: E402
 from kvoffload.bench.vllm_baseline import (  # noqa: E402
-    _StubModelConfig,
+    StubModelConfig,
     build_vllm_config,
 )
 from kvoffload.bench.vllm_baseline import make_request as _make_request  # noqa: E402
@@ -86,7 +86,7 @@ class Shape:
         return self.block * self.row
 
 
-class _EngineModelConfig(_StubModelConfig):
+class _EngineModelConfig(StubModelConfig):
     """What the core Scheduler also reads from ModelConfig."""
 
     uses_mrope = False

@@ -21,6 +21,7 @@ def _views(rank: int, world: int, extra: dict[str, Any]) -> tuple[Any, dict[str,
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     import torch
+    from kvoffload.bench.vllm_baseline import StubModelConfig
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -35,21 +36,13 @@ def _views(rank: int, world: int, extra: dict[str, Any]) -> tuple[Any, dict[str,
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    class StubModelConfig:
-        model = "stub-hybrid"
-        use_mla = False
-        dtype = torch.float16
-        max_model_len = 4096
-
-        def get_total_num_kv_heads(self) -> int:
-            return 2 * world
 
     vc = VllmConfig(
         kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector",
                                             kv_role="kv_both", kv_connector_extra_config=extra),
         cache_config=CacheConfig(block_size=16, mamba_cache_mode="align", prefix_match_unit=4),
     )
-    vc.model_config = StubModelConfig()  # type: ignore[assignment]
+    vc.model_config = StubModelConfig(4096, kv_heads=2 * world)  # type: ignore[assignment]
     vc.cache_config.kv_cache_layout = "LBHNC"
     vc.parallel_config.tensor_parallel_size = world
     vc.parallel_config.world_size = world

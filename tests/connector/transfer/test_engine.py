@@ -413,6 +413,7 @@ def _vllm_canonical(kv_cache_layout: str) -> tuple[object, dict[str, torch.Tenso
     num_blocks)."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     pytest.importorskip("vllm")
+    from kvoffload.bench.vllm_baseline import StubModelConfig
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -428,14 +429,6 @@ def _vllm_canonical(kv_cache_layout: str) -> tuple[object, dict[str, torch.Tenso
     from vllm.v1.kv_cache_layout import KVCacheLayout
     spec_mod = importlib.import_module("tests.copier_vllm_spec")
 
-    class StubModelConfig:
-        model = "stub-hybrid"
-        use_mla = False
-        dtype = torch.float16
-        max_model_len = 4096
-
-        def get_total_num_kv_heads(self) -> int:
-            return 2
 
     vc = VllmConfig(
         kv_transfer_config=KVTransferConfig(
@@ -445,7 +438,7 @@ def _vllm_canonical(kv_cache_layout: str) -> tuple[object, dict[str, torch.Tenso
         ),
         cache_config=CacheConfig(block_size=16, mamba_cache_mode="align"),
     )
-    vc.model_config = StubModelConfig()  # type: ignore[assignment]
+    vc.model_config = StubModelConfig(4096, kv_heads=2)  # type: ignore[assignment]
     vc.cache_config.kv_cache_layout = kv_cache_layout
     att = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
     mamba = MambaSpec(
