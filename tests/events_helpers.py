@@ -17,11 +17,30 @@ from kvoffload.events.schema import (
     BlockStored,
     EventBatch,
     KVEvent,
+    LookupEvent,
 )
 from kvoffload.events.subscriber import Gap, Received, Reset, _Subscriber
 from prometheus_client import CollectorRegistry
 
 Item = Received[Any] | Gap | Reset
+
+
+def lookup_event(**kw: Any) -> LookupEvent:
+    """A partial-tail lookup event (28 of 30 prompt tokens: a 16-token chunk and a 12-token
+    tail); ``kw`` overrides fields."""
+    base: dict[str, Any] = dict(
+        request_id="r1",
+        namespace="engine-a",
+        prompt_tokens=30,
+        local_tokens=0,
+        hit_tokens=28,
+        chunk_hit_tokens=16,
+        tail_hit_tokens=12,
+        tail_boundary=28,
+        outcome="partial",
+    )
+    base.update(kw)
+    return LookupEvent(**base)
 
 
 def ipc_endpoints() -> Iterator[Callable[[str], str]]:

@@ -19,7 +19,6 @@ from kvoffload.events.schema import (
     BlockStored,
     EventBatch,
     KVEvent,
-    LookupEvent,
     LookupEventBatch,
     MalformedPayload,
     UnsupportedSchemaVersion,
@@ -30,6 +29,8 @@ from kvoffload.events.schema import (
     hash_to_int,
     to_json_dict,
 )
+
+from tests.events_helpers import lookup_event
 
 # Payloads encoded by vLLM 0.33.0 itself (copied from the project's shared/vectors/kv_events).
 VECTORS = Path(__file__).resolve().parents[1] / "vectors" / "kv_events"
@@ -278,20 +279,7 @@ def test_legacy_form_of_any_batch_decodes_to_same(batch: EventBatch) -> None:
 # -- lookup events -----------------------------------------------------------------------------
 
 
-def _lookup(**kw: Any) -> LookupEvent:
-    base: dict[str, Any] = dict(
-        request_id="r1",
-        namespace="engine-a",
-        prompt_tokens=30,
-        local_tokens=0,
-        hit_tokens=28,
-        chunk_hit_tokens=16,
-        tail_hit_tokens=12,
-        tail_boundary=28,
-        outcome="partial",
-    )
-    base.update(kw)
-    return LookupEvent(**base)
+_lookup = lookup_event  # tests.events_helpers
 
 
 def test_lookup_batch_round_trip_and_version_on_wire() -> None:

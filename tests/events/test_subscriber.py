@@ -12,7 +12,7 @@ import pytest
 import zmq
 from kvoffload.events.lookup_publisher import LookupEventPublisher
 from kvoffload.events.publisher import EventPublisher
-from kvoffload.events.schema import EventBatch, LookupEvent, LookupEventBatch, encode_batch
+from kvoffload.events.schema import EventBatch, LookupEventBatch, encode_batch
 from kvoffload.events.subscriber import (
     EventSubscriber,
     Gap,
@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from tests.events_helpers import (
     arecv,
     batch,
+    lookup_event,
     prime,
     sample,
     take,
@@ -279,17 +280,7 @@ async def test_lookup_stream_round_trip(
     ipc: Callable[[str], str], registry: CollectorRegistry
 ) -> None:
     pub = LookupEventPublisher(ipc("lp"), ipc("lr"), registry=registry)
-    ev = LookupEvent(
-        request_id="r",
-        namespace="n",
-        prompt_tokens=30,
-        local_tokens=0,
-        hit_tokens=28,
-        chunk_hit_tokens=16,
-        tail_hit_tokens=12,
-        tail_boundary=28,
-        outcome="partial",
-    )
+    ev = lookup_event(request_id="r", namespace="n")
     async with pub:
         pub.publish([ev])
         await wait_until(lambda: pub.next_seq == 1)
