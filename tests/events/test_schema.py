@@ -279,15 +279,14 @@ def test_legacy_form_of_any_batch_decodes_to_same(batch: EventBatch) -> None:
 # -- lookup events -----------------------------------------------------------------------------
 
 
-_lookup = lookup_event  # tests.events_helpers
 
 
 def test_lookup_batch_round_trip_and_version_on_wire() -> None:
     batch = LookupEventBatch(
         ts=3.0,
         events=[
-            _lookup(),
-            _lookup(
+            lookup_event(),
+            lookup_event(
                 request_id="r2",
                 hit_tokens=0,
                 chunk_hit_tokens=0,
@@ -308,7 +307,7 @@ def test_lookup_batch_round_trip_and_version_on_wire() -> None:
 
 
 def test_lookup_rejects_other_versions_and_bad_payloads() -> None:
-    good = msgspec.msgpack.decode(encode_lookup_batch(LookupEventBatch(ts=1.0, events=[_lookup()])))
+    good = msgspec.msgpack.decode(encode_lookup_batch(LookupEventBatch(ts=1.0, events=[lookup_event()])))
     for version, shape in ((2, good), (2, {"schema_version": 2, "whatever": []})):
         with pytest.raises(UnsupportedSchemaVersion) as info:
             decode_lookup_batch(msgspec.msgpack.encode({**shape, "schema_version": version}))
@@ -322,8 +321,8 @@ def test_lookup_rejects_other_versions_and_bad_payloads() -> None:
 
 def test_lookup_invariant_checked_on_both_ends() -> None:
     with pytest.raises(ValueError):
-        _lookup(hit_tokens=5)
-    good = msgspec.msgpack.decode(encode_lookup_batch(LookupEventBatch(ts=1.0, events=[_lookup()])))
+        lookup_event(hit_tokens=5)
+    good = msgspec.msgpack.decode(encode_lookup_batch(LookupEventBatch(ts=1.0, events=[lookup_event()])))
     good["events"][0]["hit_tokens"] = 1
     with pytest.raises(MalformedPayload):
         decode_lookup_batch(msgspec.msgpack.encode(good))
@@ -331,6 +330,6 @@ def test_lookup_invariant_checked_on_both_ends() -> None:
 
 def test_lookup_events_are_rejected_by_the_kv_stream_decoder() -> None:
     # Why they need their own endpoint: the router-facing decoder refuses the whole batch.
-    raw = msgspec.msgpack.encode([1.0, [msgspec.to_builtins(_lookup())], None])
+    raw = msgspec.msgpack.encode([1.0, [msgspec.to_builtins(lookup_event())], None])
     with pytest.raises(MalformedPayload):
         decode_batch(raw)
