@@ -207,8 +207,21 @@ def _auto_view_ok(template: str) -> bool:
         return False
 
 
-# Read by clients (connector), not by the daemon: never an unknown-setting error.
-_CLIENT_ENV = {"KVOFFLOAD_CURVE_CLIENT_KEY", "KVOFFLOAD_CURVE_SERVER_PUBLIC_KEY"}
+# KVOFFLOAD_* variables that are not daemon settings, so never an unknown-setting error: the
+# config file's path, what clients read (connector), and the set-up and test switches the
+# docs tell users to set (scripts/setup*.sh, the test suite, the vLLM plugin, the benches),
+# which end up in the environment the daemon starts from. Any other KVOFFLOAD_* is a setting
+# and a misspelt one is refused (tests/daemon/test_config.py checks every documented name).
+NOT_SETTINGS_ENV = frozenset({
+    "KVOFFLOAD_CONFIG",
+    "KVOFFLOAD_CURVE_CLIENT_KEY", "KVOFFLOAD_CURVE_SERVER_PUBLIC_KEY",
+    "KVOFFLOAD_ALLOW_UNTESTED_VLLM",  # connector/vllm/settings.py
+    "KVOFFLOAD_BENCH_DIR",  # bench/copy_buffers.py
+    "KVOFFLOAD_DYNAMO_VENV",  # scripts/setup_dynamo.sh, tests/dynamo_helpers.py
+})
+# Set-up and test switches: every KVOFFLOAD_SKIP_* (SKIP_VLLM, SKIP_APT, SKIP_MOONCAKE,
+# SKIP_PROMETHEUS, SKIP_DYNAMO and any later one); no setting starts with it.
+NOT_SETTINGS_PREFIX = "KVOFFLOAD_SKIP_"
 _SIZE_KEYS = {"pool_bytes", "slot_bytes", "max_message_bytes", "disk_bytes",
               "events_buffer_bytes",
               "mooncake_segment_bytes", "mooncake_buffer_bytes"}
@@ -235,6 +248,11 @@ def _coerce(key: str, raw: Any, source: str) -> Any:
         raise ConfigError(f"{source}: setting {key!r}: {exc}") from None
 
 
+def is_not_setting(name: str) -> bool:
+    """A KVOFFLOAD_* environment variable that the daemon's settings loader leaves alone."""
+    return name in NOT_SETTINGS_ENV or name.startswith(NOT_SETTINGS_PREFIX)
+
+
 def load_config(
     path: str | Path | None = None,
     env: Mapping[str, str] | None = None,
@@ -252,8 +270,7 @@ def load_config(
             merged[key] = _coerce(key, raw, f"config file {path}")
             sources[key] = f"config file {path}"
     for name, raw in (os.environ if env is None else env).items():
-        if (name.startswith(ENV_PREFIX) and name != f"{ENV_PREFIX}CONFIG"
-                and name not in _CLIENT_ENV):
+        if name.startswith(ENV_PREFIX) and not is_not_setting(name):
             key = name[len(ENV_PREFIX):].lower()
             merged[key] = _coerce(key, raw, f"environment {name}")
             sources[key] = f"environment {name}"
