@@ -20,11 +20,13 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 from kvoffload.bench.workload import PRESETS, Turn, block_hashes, chat_turns
 from kvoffload.connector.client import AsyncDaemonClient
+from kvoffload.connector.transport import R
 from kvoffload.daemon.base import Geometry, PackedHashes, make_key
 from kvoffload.daemon.config import Config, parse_size
 from kvoffload.daemon.control import protocol as p
@@ -60,6 +62,7 @@ class Summary:
     daemon: str = ""  # which daemon served the run, and where (embedded or --connect)
     daemon_lost: str = ""  # set when the daemon stopped answering mid-run (the run ended)
     daemon_outages: int = 0  # times the daemon stopped answering and the demo waited for it
+    daemon_restarts: int = 0  # times a restarted daemon was found (registered again)
 
 
 def block_content(key: bytes, rank: int, nbytes: int) -> np.ndarray:
@@ -69,33 +72,69 @@ def block_content(key: bytes, rank: int, nbytes: int) -> np.ndarray:
 
 
 class SimEngine:
-    def __init__(self, client: AsyncDaemonClient, geometry: Geometry, scale: float) -> None:
+    def __init__(self, client: AsyncDaemonClient, geometry: Geometry, scale: float, *,
+                 instance: str = "", data_parallel_rank: int | None = None) -> None:
         self.client = client
         self.geometry = geometry
         self.scale = scale
+        # The identity the vLLM plugin sends on Register (--instance, --data-parallel-rank).
+        self.instance = instance
+        self.data_parallel_rank = data_parallel_rank
         self.summary = Summary()
         self._ttft: list[float] = []
         self._ttft_none: list[float] = []
         self.pool: np.ndarray | None = None
         self.reg: p.Registered | None = None
         self._mm: mmap.mmap | None = None  # set by start(); close() must work without it
+        self._mapped: tuple[int, int, int] | None = None  # (device, inode, size) mapped
+        self._registrations = 0  # the client's count when this engine last looked
 
     async def start(self) -> None:
         await self.client.connect()
-        self.reg = await self.client.register(self.geometry)
+        await self.client.register(self.geometry, instance=self.instance,
+                                   data_parallel_rank=self.data_parallel_rank)
+        self._follow_registration()
+
+    def _follow_registration(self) -> bool:
+        """Take the client's latest registration; True if it changed since the last look.
+
+        A restarted daemon may have made a new pool file (no --state-dir): a mapping of the
+        old one would read and write bytes no one else sees, so the file the daemon names
+        is mapped again unless it is the same file (same device, inode and size)."""
+        if self.client.registrations == self._registrations:
+            return False
+        self._registrations = self.client.registrations
+        self.reg = self.client.registered
+        assert self.reg is not None
         fd = os.open(self.reg.pool_path, os.O_RDWR)
         try:
-            size = os.fstat(fd).st_size
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            st = os.fstat(fd)
+            if self._mm is None or self._mapped != (st.st_dev, st.st_ino, st.st_size):
+                self.close()
+                self._mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED)
+                self._mapped = (st.st_dev, st.st_ino, st.st_size)
+                self.pool = np.frombuffer(self._mm, dtype=np.uint8)
         finally:
             os.close(fd)
-        self.pool = np.frombuffer(self._mm, dtype=np.uint8)
+        return True
+
+    async def _ask(self, build: Callable[[int], p._Msg], kind: type[R]) -> R:
+        """One request naming the engine. The client registers again with a restarted daemon
+        and resends; the pool is followed before any byte of the reply is used. The turn
+        goes on: a load done or a commit for the old run's pins and grants counts 0 on the
+        new one (nothing wrong is stored: those keys are just not stored), and every later
+        request of the turn is the new run's."""
+        reply = await self.client.call_engine(build, kind)
+        if self._follow_registration():
+            self.summary.daemon_restarts += 1
+        return reply
 
     def close(self) -> None:
         self.pool = None
         if self._mm is not None:
             self._mm.close()
             self._mm = None
+            self._mapped = None
 
     def _page(self, slot: int, rank: int, nbytes: int) -> np.ndarray:
         assert self.pool is not None and self.reg is not None
@@ -115,13 +154,13 @@ class SimEngine:
         except BaseException:
             # Wrong bytes already seen stay counted: only the turn's totals are taken back.
             before.verify_failures = self.summary.verify_failures
+            before.daemon_restarts = self.summary.daemon_restarts  # the pool was followed
             self.summary = before
             del self._ttft[marks[0]:], self._ttft_none[marks[1]:]
             raise
 
     async def run_turn(self, turn: Turn) -> None:
         g, s = self.geometry, self.summary
-        assert self.client.engine is not None
         hashes = block_hashes(turn.prompt, g.tokens_per_hash)
         n = len(turn.prompt)
         packed = PackedHashes.pack(hashes)
@@ -131,9 +170,9 @@ class SimEngine:
         # As an engine does: a deferred answer (a key being written, or promoted from a slower
         # tier) is asked again on a later step, a bounded number of times.
         for _ in range(MAX_REASKS + 1):
-            reply = await self.client.expect(p.Lookup(rid=self.client.rid(),
-                                                      engine=self.client.engine,
-                                                      queries=[query], pin=True), p.LookupReply)
+            reply = await self._ask(lambda e: p.Lookup(rid=self.client.rid(), engine=e,
+                                                       queries=[query], pin=True),
+                                    p.LookupReply)
             ans = reply.answers[0]
             if ans.hit_tokens is not None:
                 break
@@ -151,9 +190,8 @@ class SimEngine:
                 if not np.array_equal(got, block_content(key, rank, nbytes)):
                     s.verify_failures += 1
         if ans.load_keys:
-            await self.client.expect(p.CompleteLoad(rid=self.client.rid(),
-                                                    engine=self.client.engine,
-                                                    keys=ans.load_keys), p.Ack)
+            await self._ask(lambda e: p.CompleteLoad(rid=self.client.rid(), engine=e,
+                                                     keys=ans.load_keys), p.Ack)
         s.requests += 1
         s.prompt_tokens += n
         s.hit_tokens += hit
@@ -188,7 +226,6 @@ class SimEngine:
 
     async def _store(self, turn: Turn, prompt_hashes: list[bytes]) -> None:
         g, s = self.geometry, self.summary
-        assert self.client.engine is not None
         tokens = turn.prompt + turn.reply
         hashes = block_hashes(tokens, g.tokens_per_hash)
         tph = g.tokens_per_hash
@@ -196,9 +233,8 @@ class SimEngine:
         prompt_end = (len(turn.prompt) - 1) // tph * tph
         boundaries = {prompt_end, len(hashes) * tph}
         items = self._store_items(tokens, hashes, {b for b in boundaries if b > 0})
-        grant = await self.client.expect(p.PrepareStore(rid=self.client.rid(),
-                                                        engine=self.client.engine, items=items),
-                                         p.StoreGrant)
+        grant = await self._ask(lambda e: p.PrepareStore(rid=self.client.rid(), engine=e,
+                                                         items=items), p.StoreGrant)
         written = []
         for item, outcome, slot in zip(items, grant.outcomes, grant.slots, strict=True):
             if outcome != p.StoreOutcome.GRANTED:
@@ -211,9 +247,8 @@ class SimEngine:
             written.append(item.key)
         s.evicted_keys += len(grant.evicted)
         if written:
-            ack = await self.client.expect(p.CommitStore(rid=self.client.rid(),
-                                                         engine=self.client.engine,
-                                                         keys=written), p.Ack)
+            ack = await self._ask(lambda e: p.CommitStore(rid=self.client.rid(), engine=e,
+                                                          keys=written), p.Ack)
             s.keys_stored += ack.count
 
     def finish(self, wall: float) -> Summary:
@@ -250,7 +285,9 @@ async def run_demo(args: argparse.Namespace) -> Summary:
     from kvoffload.connector.client import DaemonUnavailable
 
     client = AsyncDaemonClient(endpoint, name="kvoffload demo engine")
-    engine = SimEngine(client, geometry, args.scale)
+    engine = SimEngine(client, geometry, args.scale,
+                       instance=getattr(args, "instance", "") or "",
+                       data_parallel_rank=getattr(args, "data_parallel_rank", None))
     if server is not None:
         engine.summary.daemon = (f"started its own daemon in this process: control {endpoint}, "
                                  f"pool {server.config.pool_path} ({args.pool_bytes}); "
@@ -331,6 +368,8 @@ def render(s: Summary, preset: str, scale: float) -> str:
         f"  errors             {s.errors:>12}",
         f"  daemon outages     {s.daemon_outages:>12}   times the daemon stopped answering and "
         "came back within --daemon-wait",
+        f"  daemon restarts    {s.daemon_restarts:>12}   times a restarted daemon was found and "
+        "the engine registered again",
         f"  wall time          {s.wall_seconds:>9.1f} s",
     ])
 

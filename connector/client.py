@@ -6,7 +6,11 @@ for longer than the caller allows. It raises ``DaemonUnavailable`` (never hangs)
 is gone and re-registers by itself when a restarted daemon no longer knows its engine.
 
 ``AsyncDaemonClient`` is the asyncio client for the demo, the benchmarks and the tests: many
-calls may be in flight at once; replies are matched to calls by ``rid``.
+calls may be in flight at once; replies are matched to calls by ``rid``. It re-registers by
+itself too (``call_engine``).
+
+Both check their endpoint when made: a mistyped one is one ``BadEndpoint`` line, not a ZMQ
+error from deep inside ``connect``.
 """
 
 from __future__ import annotations
@@ -18,78 +22,29 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import msgspec
 import zmq
 import zmq.asyncio
+from kvoffload.connector.transport import (
+    BadEndpoint,
+    DaemonUnavailable,
+    R,
+    _expect,
+    _make_socket,
+    background_context,
+    check_endpoint,
+)
 from kvoffload.daemon.base import Geometry, KeyStatus
 from kvoffload.daemon.control import protocol as p
 from kvoffload.daemon.control.security import CurveClientKeys
 
+__all__ = ["AsyncDaemonClient", "BadEndpoint", "DaemonClient", "DaemonUnavailable",
+           "background_context", "check_endpoint"]
+
 log = logging.getLogger("kvoffload.connector")
-
-R = TypeVar("R", bound=p._Msg)
-
-
-class DaemonUnavailable(ConnectionError):
-    """The daemon did not answer in time or cannot be reached."""
-
-
-def _expect(reply: p._Msg, kind: type[R]) -> R:
-    if isinstance(reply, p.Error):
-        raise p.ProtocolError(reply.code, reply.message)
-    if not isinstance(reply, kind):
-        raise p.ProtocolError(p.ErrorCode.MALFORMED, f"expected {kind.__name__}, got {reply!r}")
-    return reply
-
-
-_background: dict[tuple[int, bool], zmq.Context[Any]] = {}
-
-
-def background_context(sched_batch: bool = False) -> zmq.Context[Any]:
-    """This process's context for the scheduler-side session (its own, so vLLM's sockets in
-    the same process keep theirs; one per process and policy, re-made after a fork).
-
-    ``sched_batch`` (the plugin's ``kvoffload_io_sched_batch``, off by default) runs its I/O
-    thread in SCHED_BATCH. Every send wakes that thread, and a woken thread of the default
-    policy preempts the thread that woke it: on a busy host the engine's scheduler then waits,
-    mid-step, for the I/O thread and whatever runs after it (measured: ~100-200 us of a ~10 us
-    send; scheduler time per step 1.4-1.55x vLLM's with it, 2.0-2.4x without). The price: a
-    SCHED_BATCH thread runs only on an idle core or once the scheduler thread blocks or uses
-    up its slice, so on a host without an idle core the daemon's replies (a tier's answers
-    among them) are read later: measured, a test engine spinning its steps waited 7-160 ms
-    for one, and missed its 200-step bound in 8 of 14 runs at load 1-2."""
-    key = (os.getpid(), sched_batch)
-    ctx = _background.get(key)
-    if ctx is None:
-        if any(pid != key[0] for pid, _ in _background):
-            _background.clear()  # a forked child: its parent's contexts are not its own
-        ctx = zmq.Context()
-        policy = getattr(os, "SCHED_BATCH", None)  # Linux only
-        if policy is not None and sched_batch:
-            with contextlib.suppress(zmq.ZMQError, AttributeError):  # older libzmq
-                ctx.set(zmq.THREAD_SCHED_POLICY, policy)  # no priority: libzmq leaves nice
-        _background[key] = ctx
-    return ctx
-
-
-def _make_socket(ctx: zmq.Context[Any], endpoint: str,
-                 curve: CurveClientKeys | None = None) -> zmq.Socket[Any]:
-    sock = ctx.socket(zmq.DEALER)
-    curve = curve or CurveClientKeys.from_settings()  # KVOFFLOAD_CURVE_* environment
-    if curve is not None:
-        curve.apply(sock)
-    sock.setsockopt(zmq.LINGER, 0)
-    # IMMEDIATE: queue nothing for a daemon that is not connected, so a send while it is
-    # down fails at once instead of being delivered minutes later to a restarted daemon.
-    sock.setsockopt(zmq.IMMEDIATE, 1)
-    sock.setsockopt(zmq.RECONNECT_IVL, 50)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-    sock.connect(endpoint)
-    return sock
-
 
 class DaemonClient:
     """Synchronous, thread-safe client; one registered engine per client."""
@@ -105,7 +60,7 @@ class DaemonClient:
         time_model: tuple[float, float] | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
-        self.endpoint = endpoint
+        self.endpoint = check_endpoint(endpoint)
         self.curve = curve
         # (prefill tokens/s, copy bytes/s) sent with Register: the daemon then neither stores
         # nor loads partial tails that cannot repay their bytes (cost-aware tails).
@@ -118,6 +73,7 @@ class DaemonClient:
         self._rids = itertools.count(1)
         self._lock = threading.Lock()
         self._geometry: tuple[Geometry, int] | None = None
+        self._identity: tuple[str, int | None] = ("", None)  # sent again on a re-register
         self.welcome: p.Welcome | None = None
         self.registered: p.Registered | None = None
         self.round_trips = 0
@@ -179,7 +135,8 @@ class DaemonClient:
             # A restarted daemon: hello and register again, then retry once.
             assert self._geometry is not None
             self.connect()
-            self.register(*self._geometry)
+            instance, dp_rank = self._identity
+            self.register(*self._geometry, instance=instance, data_parallel_rank=dp_rank)
             reply = self.call(build(self.registered.engine), timeout_ms)
         return _expect(reply, kind)
 
@@ -194,18 +151,25 @@ class DaemonClient:
         self.welcome = _expect(self.call(msg), p.Welcome)
         return self.welcome
 
-    def register(self, geometry: Geometry, rank: int = 0) -> p.Registered:
+    def register(self, geometry: Geometry, rank: int = 0, *, instance: str = "",
+                 data_parallel_rank: int | None = None) -> p.Registered:
+        """Register one engine. ``instance`` (vLLM's engine_id) and ``data_parallel_rank``
+        are the identity the plugin sends: a daemon with ``--engine-views-auto`` opens a
+        per-engine event view for it, and ``Reset(scope="own")`` drops only its blocks."""
         if self.welcome is None:
             self.connect()
         prefill, copy = self.time_model or (0.0, 0.0)
         reply = self.call(p.Register(rid=self.rid(), geometry=geometry, rank=rank,
-                                     prefill_tokens_per_s=prefill, copy_bytes_per_s=copy))
+                                     prefill_tokens_per_s=prefill, copy_bytes_per_s=copy,
+                                     instance=instance, data_parallel_rank=data_parallel_rank))
         self.registered = _expect(reply, p.Registered)
         self._geometry = (geometry, rank)
+        self._identity = (instance, data_parallel_rank)
         return self.registered
 
     def register_reader(self, geometry: Geometry, instance: str = "",
-                        data_parallel_rank: int | None = None) -> p.Registered:
+                        data_parallel_rank: int | None = None, *, writer_lock: bool = False,
+                        supersedes: str = "") -> p.Registered:
         """Register as an engine that reads the shared index in place (``IndexSession``)."""
         if self.welcome is None:
             self.connect()
@@ -213,9 +177,11 @@ class DaemonClient:
         reply = self.call(p.Register(rid=self.rid(), geometry=geometry,
                                      prefill_tokens_per_s=prefill, copy_bytes_per_s=copy,
                                      reads_index=True, instance=instance,
-                                     data_parallel_rank=data_parallel_rank))
+                                     data_parallel_rank=data_parallel_rank,
+                                     writer_lock=writer_lock, supersedes=supersedes))
         self.registered = _expect(reply, p.Registered)
         self._geometry = (geometry, 0)
+        self._identity = (instance, data_parallel_rank)
         return self.registered
 
     def lookup(
@@ -282,11 +248,17 @@ class DaemonClient:
 
 
 class AsyncDaemonClient:
-    """asyncio client: concurrent calls on one DEALER, replies matched by rid."""
+    """asyncio client: concurrent calls on one DEALER, replies matched by rid.
+
+    Like ``DaemonClient`` it comes back by itself after a daemon restart: a call made through
+    ``call_engine`` that is answered ``not_registered`` says hello and registers again (once,
+    for every call in flight: the first to see the answer does it) and is sent again.
+    ``registrations`` counts the registrations, so a caller that must know (the demo maps
+    the pool the daemon names) can tell that the daemon changed under it."""
 
     def __init__(self, endpoint: str, *, timeout_ms: int = 5000, name: str = "",
                  curve: CurveClientKeys | None = None) -> None:
-        self.endpoint = endpoint
+        self.endpoint = check_endpoint(endpoint)
         self.timeout_ms = timeout_ms
         self.name = name or f"async client pid {os.getpid()}"
         self._ctx = zmq.asyncio.Context.instance()
@@ -295,6 +267,10 @@ class AsyncDaemonClient:
         self._waiting: dict[int, asyncio.Future[p._Msg]] = {}
         self._reader: asyncio.Task[None] | None = None
         self.engine: int | None = None
+        self.registered: p.Registered | None = None
+        self.registrations = 0
+        self._register_args: tuple[Geometry, int, str, int | None] | None = None
+        self._reregister_lock = asyncio.Lock()
         self.round_trips = 0
 
     def rid(self) -> int:
@@ -337,14 +313,47 @@ class AsyncDaemonClient:
     async def expect(self, msg: p._Msg, kind: type[R], timeout_ms: int | None = None) -> R:
         return _expect(await self.call(msg, timeout_ms), kind)
 
+    async def call_engine(self, build: Callable[[int], p._Msg], kind: type[R],
+                          timeout_ms: int | None = None) -> R:
+        """Send ``build(engine)``; re-register once if the daemon no longer knows the engine
+        (a restarted daemon: handles are per client and per daemon run), then send again."""
+        seen = self.registered
+        if seen is None:
+            raise p.ProtocolError(p.ErrorCode.NOT_REGISTERED, "register() first")
+        reply = await self.call(build(seen.engine), timeout_ms)
+        if isinstance(reply, p.Error) and reply.code == p.ErrorCode.NOT_REGISTERED:
+            await self._reregister(seen)
+            assert self.registered is not None
+            reply = await self.call(build(self.registered.engine), timeout_ms)
+        return _expect(reply, kind)
+
+    async def _reregister(self, seen: p.Registered) -> None:
+        async with self._reregister_lock:
+            if self.registered is not seen:
+                return  # another call in flight already registered again
+            assert self._register_args is not None
+            geometry, rank, instance, dp_rank = self._register_args
+            log.info("daemon at %s no longer knows engine %d: registering again",
+                     self.endpoint, seen.engine)
+            await self.connect()
+            await self.register(geometry, rank, instance=instance, data_parallel_rank=dp_rank)
+
     async def connect(self) -> p.Welcome:
         hello = p.Hello(rid=self.rid(), version=p.PROTOCOL_VERSION, client=self.name)
         return await self.expect(hello, p.Welcome)
 
-    async def register(self, geometry: Geometry, rank: int = 0) -> p.Registered:
-        reg = await self.expect(p.Register(rid=self.rid(), geometry=geometry, rank=rank),
+    async def register(self, geometry: Geometry, rank: int = 0, *, instance: str = "",
+                       data_parallel_rank: int | None = None) -> p.Registered:
+        """Register one engine; ``instance`` and ``data_parallel_rank`` as in
+        ``DaemonClient.register`` (the identity the vLLM plugin sends)."""
+        reg = await self.expect(p.Register(rid=self.rid(), geometry=geometry, rank=rank,
+                                           instance=instance,
+                                           data_parallel_rank=data_parallel_rank),
                                 p.Registered)
+        self._register_args = (geometry, rank, instance, data_parallel_rank)
         self.engine = reg.engine
+        self.registered = reg
+        self.registrations += 1
         return reg
 
     async def close(self) -> None:

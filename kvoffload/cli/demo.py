@@ -19,6 +19,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--pool-bytes", default="64MiB", help="pool size of the embedded daemon")
     d.add_argument("--json", action="store_true", help="print one JSON object")
+    # The identity the vLLM plugin sends on Register (vLLM's engine_id and DP rank): with it a
+    # daemon started with --engine-views-auto opens a per-engine event view for this engine.
+    d.add_argument("--instance", default="", metavar="ID",
+                   help="engine id sent on Register (as vLLM's engine_id; default none)")
+    d.add_argument("--data-parallel-rank", type=int, default=None, metavar="N",
+                   help="DP rank sent on Register (default none: no per-engine view)")
     d.add_argument("--daemon-wait", type=float, default=10.0, metavar="S",
                    help="how long to wait for a daemon that stopped answering (default 10 s)")
     d.set_defaults(handler=run)
