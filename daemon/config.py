@@ -191,6 +191,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for key, ok, why in checks:
             if not ok:
                 raise ValueError(f"{key} {why} (got {getattr(self, key)!r})")
+        if clash := _auto_view_clash(self):
+            raise ValueError(f"engine_views_auto {clash}")
 
     @property
     def http_host_port(self) -> tuple[str, int]:
@@ -205,6 +207,67 @@ def _auto_view_ok(template: str) -> bool:
         return not template or auto_view_spec(template, 0) is not None
     except ValueError:
         return False
+
+
+_ANY_HOST = {"*", "0.0.0.0", "::", "[::]", ""}
+
+
+def _bind_key(endpoint: str) -> tuple[str, str, int] | None:
+    """("tcp", host, port) or ("ipc", path, 0) of an endpoint the daemon binds; None when it
+    binds nothing that can clash (a connect:, tcp port 0 or *, an unknown scheme)."""
+    if endpoint.startswith("connect:"):
+        return None
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "ipc" and rest:
+        return ("ipc", rest, 0)
+    host, _, port = rest.rpartition(":")
+    if scheme not in ("tcp", "http") or not port.isdigit() or int(port) == 0:
+        return None
+    return ("tcp", "127.0.0.1" if host == "localhost" else host, int(port))
+
+
+def _clashes(a: tuple[str, str, int], b: tuple[str, str, int]) -> bool:
+    if a[0] != b[0] or a[2] != b[2]:
+        return False
+    # A wildcard address holds the port on every interface.
+    return a[1] == b[1] or (a[0] == "tcp" and (a[1] in _ANY_HOST or b[1] in _ANY_HOST))
+
+
+def _auto_view_clash(cfg: Config) -> str | None:
+    """Why a view the template would open binds an endpoint the daemon binds itself (its
+    control socket, event streams, static views, HTTP), or None.
+
+    Every view the template can make is checked ({index} 0..MAX_AUTO_VIEWS-1, {rank} the
+    same range): a clash found when an engine registers would leave it without a view."""
+    if not cfg.engine_views_auto:
+        return None
+    from kvoffload.daemon.streams.views import MAX_AUTO_VIEWS
+    from kvoffload.events.profiles import auto_view_spec, parse_view_spec
+
+    own: list[tuple[str, str | None]] = [
+        ("--control", cfg.control), ("--events", cfg.events),
+        ("--events-replay", cfg.events_replay), ("--lookup-events", cfg.lookup_events),
+        ("--hub", cfg.hub), ("--hub-replay", cfg.hub_replay), ("--http", f"http://{cfg.http}")]
+    for spec in cfg.engine_views:
+        view = parse_view_spec(spec)
+        own += [(f"--engine-view {spec}", view.endpoint), (f"--engine-view {spec}", view.replay)]
+    taken = [(flag, ep.removeprefix("http://"), key) for flag, ep in own
+             if ep and (key := _bind_key(ep)) is not None]
+    ranks = range(MAX_AUTO_VIEWS) if "{rank}" in cfg.engine_views_auto else range(1)
+    for index in range(MAX_AUTO_VIEWS if "{index}" in cfg.engine_views_auto else 1):
+        for rank in ranks:
+            view = auto_view_spec(cfg.engine_views_auto, rank, index)
+            for ep in (view.endpoint, view.replay):
+                mine = _bind_key(ep) if ep else None
+                if mine is not None and mine[2] > 65535:
+                    return (f"{cfg.engine_views_auto!r}: view {index} (DP rank {rank}) would "
+                            f"bind {ep}, past port 65535")
+                for flag, theirs, key in taken:
+                    if mine is not None and _clashes(mine, key):
+                        return (f"{cfg.engine_views_auto!r}: view {index} (DP rank {rank}) would "
+                                f"bind {ep}, which {flag} {theirs} holds; give the views ports "
+                                "of their own")
+    return None
 
 
 # KVOFFLOAD_* variables that are not daemon settings, so never an unknown-setting error: the

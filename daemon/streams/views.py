@@ -33,8 +33,10 @@ __all__ = ["MAX_AUTO_VIEWS", "EngineView", "EngineViews", "LookupEvents", "event
 log = logging.getLogger("kvoffload.daemon")
 
 # Views opened for ranks engines announce: each binds sockets, so a client cannot make the
-# daemon open more than this many.
+# daemon open more than this many (tries that failed count too: each one bound something).
 MAX_AUTO_VIEWS = 64
+# Failed view openings kept for /readyz (the newest; the counter has them all).
+MAX_FAILURES_SHOWN = 16
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,10 +65,43 @@ class EngineViews:
     """Mixin of DaemonEvents: the per-engine view publishers."""
 
     views: list[EngineView]
+    registry: Any  # DaemonEvents': where the view counter goes
     _pub_options: dict[str, Any]
     _resident: dict[int, StoredRecord]
-    auto_views = ""  # engine_views_auto: the template of views opened on Register
-    _auto_opened = 0
+    _auto_views = ""
+    _auto_opened = 0  # views tried from the template: {index} of the next one
+    _view_opens: Any = None  # kvoffload_engine_views_opened_total, with a template only
+    _view_failures: list[dict[str, Any]]
+
+    @property
+    def auto_views(self) -> str:
+        """engine_views_auto: the template of views opened on Register ("": none)."""
+        return self._auto_views
+
+    @auto_views.setter
+    def auto_views(self, template: str) -> None:
+        # Set once, by DaemonEvents.__init__: the counter is made here so that with a
+        # template its series exist at 0 from the start (an alert on failures needs them).
+        self._auto_views = template
+        self._view_failures = []
+        if template and self._view_opens is None:
+            from prometheus_client import Counter
+
+            self._view_opens = Counter(
+                "kvoffload_engine_views_opened_total",
+                "Per-engine event views opened on Register (--engine-views-auto), by outcome "
+                "(ok, failed: the view could not bind; the engine is registered without it).",
+                ["outcome"], registry=self.registry)
+            for outcome in ("ok", "failed"):
+                self._view_opens.labels(outcome)
+
+    def view_status(self) -> dict[str, Any]:
+        """For /readyz: every open view's endpoints, and the newest views that could not
+        open (with why). A failed view is a detail, never a failed check: the daemon
+        serves every engine without it."""
+        views = [{"rank": v.spec.rank, "engine": v.engine, "events": v.pub.bound_endpoint,
+                  "replay": v.pub.bound_replay_endpoint} for v in self.views]
+        return {"engine_views": views, "engine_view_failures": list(self._view_failures)}
 
     # -- per-engine views ---------------------------------------------------------------
 
@@ -104,7 +139,8 @@ class EngineViews:
         workers to a router even at the same DP rank (each vLLM instance has rank 0), so
         views are per vLLM engine_id and rank; a re-register of the same engine keeps its
         view, which stays open while the daemon runs. Never raises: a view that cannot
-        bind is logged."""
+        bind is logged, counted and shown in /readyz (``view_status``), and the next view
+        takes the next {index}: a port that failed once is not tried again by every engine."""
         if not self.auto_views or data_parallel_rank is None:
             return None
         for view in self.views:
@@ -112,14 +148,17 @@ class EngineViews:
                 return view
         if self._auto_opened >= MAX_AUTO_VIEWS:
             return None
+        index = self._auto_opened
+        self._auto_opened += 1
         try:
-            spec = auto_view_spec(self.auto_views, data_parallel_rank, self._auto_opened)
+            spec = auto_view_spec(self.auto_views, data_parallel_rank, index)
             view = self._open_view(spec)
-        except (ValueError, OSError) as exc:  # zmq.ZMQError is an OSError
-            log.error("cannot open the event view of DP rank %d: %s", data_parallel_rank, exc)
+        except Exception as exc:  # noqa: BLE001 - a view must never fail a Register
+            # zmq.ZMQError (address in use, bad address) is not an OSError in pyzmq 27.
+            self._view_failed(data_parallel_rank, instance, index, exc)
             return None
         view.engine = instance
-        self._auto_opened += 1
+        self._view_opens.labels("ok").inc()
         if self._started:
             view.pub.start_soon()
         for rec in list(self._resident.values()):
@@ -128,6 +167,15 @@ class EngineViews:
                  data_parallel_rank, instance, view.pub.bound_endpoint,
                  view.pub.bound_replay_endpoint)
         return view
+
+    def _view_failed(self, rank: int, instance: str, index: int, exc: Exception) -> None:
+        where = self.auto_views.replace("{rank}", str(rank)).replace("{index}", str(index))
+        log.error("cannot open the event view of DP rank %d (engine %r, view %d: %s): %s; "
+                  "the engine is registered without it", rank, instance, index, where, exc)
+        self._view_opens.labels("failed").inc()
+        self._view_failures.append({"rank": rank, "engine": instance, "index": index,
+                                    "spec": where, "error": str(exc)})
+        del self._view_failures[:-MAX_FAILURES_SHOWN]
 
     async def remove_engine_view(self, view: EngineView) -> None:
         """Close a view (its engine left); routers see its stream end."""
