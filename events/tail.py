@@ -9,7 +9,9 @@ batch is a msgpack array, a lookup batch a map. Their JSON lines are `seq`, `ts`
 `schema_version`, `type` ("LookupEvent"), then the event's fields. `--lookup` accepts only
 lookup batches (anything else is skipped as malformed).
 
-The command line (``kvoffload/cli/events.py``) parses and calls ``run_tail``.
+The command line (``kvoffload/cli/events.py``) parses and calls ``run_tail``. A mistyped
+endpoint is one line (exit 2), and a stream that has sent nothing after a moment says once, on
+stderr, what the tail is waiting for: a PUB that is not there is silent in ZMQ.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 from typing import Any, TextIO
 
 import msgspec
+import zmq
 
 from .schema import (
     BlockRemoved,
@@ -36,10 +39,33 @@ from .schema import (
 )
 from .subscriber import Gap, LookupEventSubscriber, Received, Reset, _Subscriber
 
-__all__ = ["format_event", "format_lookup_event", "run_tail",
+__all__ = ["bad_endpoint", "format_event", "format_lookup_event", "run_tail",
            "tail"]
 
 _json = msgspec.json.Encoder()
+# Seconds without anything received before the one notice of what the tail waits for.
+WAITING_NOTICE_S = 3.0
+
+
+def bad_endpoint(flag: str, endpoint: str) -> str | None:
+    """Why `endpoint` is not one a SUB or DEALER can connect to, or None (libzmq's own answer
+    is an "Invalid argument" traceback)."""
+    scheme, sep, rest = endpoint.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if sep and rest and (scheme in ("ipc", "inproc") or (
+            scheme == "tcp" and colon and host and port.isdigit() and 0 < int(port) < 65536)):
+        return None
+    return (f"{flag} {endpoint}: not a ZMQ endpoint; give tcp://HOST:PORT or ipc://PATH "
+            "(the daemon's --events, --events-replay or --lookup-events address)")
+
+
+def _waiting_line(endpoint: str, replay: str | None, lookup: bool) -> str:
+    what = "lookup events" if lookup else "events"
+    flag = "--lookup-events" if lookup else "--events (or --hub, an engine view)"
+    more = f" (replay {replay})" if replay else ""
+    return (f"# waiting for {what} on {endpoint}{more}: nothing received yet; is a daemon "
+            f"publishing there ({flag} of kvoffload serve)? A PUB that is not there is "
+            "silent: this keeps waiting")
 
 
 def _short_hash(h: int | bytes | None) -> str:
@@ -116,15 +142,30 @@ async def tail(
     count: int | None = None,
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
+    waiting_notice_s: float = WAITING_NOTICE_S,
 ) -> int:
-    """Print events until `count` events were printed (then return 0) or forever."""
-    printed = 0
+    """Print events until `count` events were printed (then return 0) or forever.
+
+    If nothing arrives for `waiting_notice_s`, one line on `err` says what it waits for."""
     if count is not None and count <= 0:
         return 0
     kind = LookupEventSubscriber if lookup else _AnySubscriber
     sub = kind(endpoint, replay, topic=topic, from_seq=from_seq, stream="tail")
+    loop = asyncio.get_running_loop()
+    notice = loop.call_later(waiting_notice_s, lambda: print(
+        _waiting_line(endpoint, replay, lookup), file=err, flush=True))
+    try:
+        return await _print_items(sub, notice, as_json, count, out, err)
+    finally:
+        notice.cancel()
+
+
+async def _print_items(sub: _Subscriber[Any], notice: asyncio.TimerHandle, as_json: bool,
+                       count: int | None, out: TextIO, err: TextIO) -> int:
+    printed = 0
     async with sub:
         async for item in sub:
+            notice.cancel()  # something came: the stream is there
             if isinstance(item, Gap):
                 print(f"# gap: seqs {item.start}..{item.end - 1} lost", file=err, flush=True)
                 continue
@@ -161,7 +202,12 @@ async def tail(
 
 
 def run_tail(args: argparse.Namespace) -> int:
-    """Handler for `events tail` (returns the exit code)."""
+    """Handler for `events tail` (returns the exit code): a bad endpoint is one line, exit 2;
+    one ZMQ refuses at connect (a host name that does not resolve) one line, exit 1."""
+    for flag, endpoint in (("--endpoint", args.endpoint), ("--replay", args.replay)):
+        if endpoint is not None and (why := bad_endpoint(flag, endpoint)):
+            print(f"kvoffload events tail: {why}", file=sys.stderr)
+            return 2
     coro = tail(
         args.endpoint,
         replay=args.replay,
@@ -175,6 +221,10 @@ def run_tail(args: argparse.Namespace) -> int:
         return asyncio.run(coro)
     except KeyboardInterrupt:
         return 130
+    except zmq.ZMQError as exc:
+        print(f"kvoffload events tail: cannot connect to --endpoint {args.endpoint}"
+              f"{f' / --replay {args.replay}' if args.replay else ''}: {exc}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         # The reader went away (`| head`): not an error; silence the flush at exit.
         with contextlib.suppress(OSError):

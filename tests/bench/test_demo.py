@@ -244,3 +244,18 @@ def test_async_client_registers_again_after_a_restart(tmp_path) -> None:
 
     with run_daemon(tmp_path, pool_bytes=64 << 20) as d:
         asyncio.run(scenario(d))
+
+
+def test_demo_names_its_engine_and_dp_rank(tmp_path) -> None:
+    """`--instance` and `--data-parallel-rank` are sent on Register as the plugin sends them:
+    a daemon with --engine-views-auto opens that engine's view."""
+    auto = "events=tcp://127.0.0.1:0,replay=tcp://127.0.0.1:0"
+    with run_daemon(tmp_path, "--engine-views-auto", auto, pool_bytes=64 << 20) as d:
+        s = demo("--connect", d.control, "--requests", "5", "--instance", "demo-7",
+                 "--data-parallel-rank", "2")
+        assert s["errors"] == 0
+        for _ in range(200):  # the log file may lag the reply a little
+            if "event view of DP rank 2 (engine 'demo-7')" in d.log():
+                break
+            time.sleep(0.02)
+        assert "event view of DP rank 2 (engine 'demo-7')" in d.log(), d.log()[-2000:]

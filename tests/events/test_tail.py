@@ -218,3 +218,68 @@ async def test_cli_subprocess(ipc: Callable[[str], str]) -> None:
             ]
     finally:
         await pub.aclose()
+
+
+@pytest.mark.parametrize("args", [
+    ["--endpoint", "localhost:5557"], ["--endpoint", "/run/kvoffload/events.sock"],
+    ["--endpoint", "tcp://127.0.0.1"], ["--endpoint", "tcp://127.0.0.1:5557", "--replay", "5558"]])
+def test_a_bad_endpoint_is_one_line(args: list[str]) -> None:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "kvoffload", "events", "tail", *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not a ZMQ endpoint" in lines[0], out.stderr
+    assert args[-1] in lines[0] and "tcp://HOST:PORT" in lines[0]
+
+
+def test_an_endpoint_zmq_refuses_at_connect_is_one_line() -> None:
+    import subprocess
+
+    # Well formed, but not a host libzmq can connect to (a bad tcp host name is refused by
+    # connect itself).
+    out = subprocess.run([sys.executable, "-m", "kvoffload", "events", "tail", "--endpoint",
+                          "tcp://no such host:5557"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot connect to --endpoint tcp://no such host:5557" in lines[0]
+
+
+async def test_nothing_publishing_says_once_what_it_waits_for(
+        ipc: Callable[[str], str]) -> None:
+    """No PUB at the endpoint: ZMQ is silent, so the tail says once, on stderr, what it waits
+    for, and keeps waiting; once the stream starts, its events print as usual."""
+    endpoint = ipc("nobody")
+    out, err = io.StringIO(), io.StringIO()
+    task = asyncio.create_task(tail(endpoint, as_json=True, count=1, out=out, err=err,
+                                    waiting_notice_s=0.0))
+    await wait_until(lambda: err.getvalue() != "")
+    await asyncio.sleep(0.2)  # a second notice would come in this time, if there were one
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"# waiting for events on {endpoint}:")
+    assert "--events" in lines[0] and out.getvalue() == "" and not task.done()
+    registry = CollectorRegistry()
+    pub = EventPublisher(endpoint, registry=registry)
+    await pub.start()
+    try:
+        while not task.done():  # a SUB joining late misses what was sent before it
+            pub.publish(EventBatch(ts=1.0, events=[AllBlocksCleared()]))
+            await asyncio.sleep(0.05)
+        assert await task == 0
+    finally:
+        await pub.aclose()
+    assert json.loads(out.getvalue())["type"] == "AllBlocksCleared"
+    assert len(err.getvalue().splitlines()) == 1
+
+
+async def test_a_stream_that_sends_gets_no_waiting_notice(ipc: Callable[[str], str]) -> None:
+    pub = await started_publisher(ipc)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        replay = pub.bound_replay_endpoint
+        assert await tail(pub.bound_endpoint, replay=replay, from_seq=0, count=1, out=out,
+                          err=err, waiting_notice_s=30.0) == 0
+    finally:
+        await pub.aclose()
+    assert out.getvalue() and "waiting" not in err.getvalue()
