@@ -24,6 +24,7 @@ from typing import Any
 from kvoffload.bench.plots import write_plots
 from kvoffload.bench.quiet import quiet_libraries
 from kvoffload.bench.seeds import aggregate_seeds, fill_reason
+from kvoffload.bench.vllm_baseline import mark_not_run
 
 # suite name -> (module, function). Each function takes quick: bool and returns a dict.
 SUITES: dict[str, tuple[str, str]] = {
@@ -36,6 +37,9 @@ SUITES: dict[str, tuple[str, str]] = {
     "engine_chat": ("kvoffload.bench.suites.engine_chat", "run_engine_chat_bench"),
     "sharing": ("kvoffload.bench.suites.sharing", "run_sharing_bench"),
 }
+# Suites measured against vLLM's own code that still run without it (ours alone): their
+# missing ratio is "not run: vLLM baseline not run: why", not a miss with "no ratio measured".
+VLLM_BASELINE = {"events"}
 
 class Progress:
     """A tqdm bar over every suite run on a TTY, phase lines on stderr otherwise (stdout stays
@@ -122,8 +126,22 @@ def run_suite(name: str, fn: Callable[..., dict[str, Any]], quick: bool, seeds: 
         progress.done()
         runs.append((0 if seed is None else seed, result))
     result = runs[0][1] if len(runs) == 1 else aggregate_seeds(runs)
-    result = fill_reason(name, result)
+    result = fill_reason(name, baseline_not_run(name, result))
     result["seconds"] = round(time.perf_counter() - started, 2)
+    return result
+
+
+def baseline_not_run(name: str, result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` marked not run (with why) when it has no ratio because its baseline could
+    not run: vLLM missing for a ``VLLM_BASELINE`` suite, or a suite's own ``baseline`` saying
+    "unavailable: ...". What the suite did measure stays in the result."""
+    if result.get("ratio") is not None or result.get("not_run") or result.get("error"):
+        return result
+    if name in VLLM_BASELINE and mark_not_run(result):
+        return result
+    baseline = result.get("baseline")
+    if isinstance(baseline, str) and baseline.startswith("unavailable"):
+        result["reason"] = result["not_run"] = f"baseline not run: {baseline}"
     return result
 
 

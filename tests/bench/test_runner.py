@@ -147,3 +147,50 @@ def test_a_bar_on_a_tty() -> None:
     progress.close()
     text = buf.getvalue()
     assert "sharing" in text and "2/2" in text and "2 engines" in text
+
+
+def test_a_suite_whose_baseline_cannot_run_says_not_run(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    """No ratio because vLLM (the baseline) is missing: "not run" with why, not a miss with
+    "no ratio measured"; what the suite measured of ours stays in the result."""
+    import kvoffload.bench.vllm_baseline as vb
+
+    monkeypatch.setattr(vb, "vllm_import_error", lambda: "no vllm here")
+
+    def events(quick: bool) -> dict[str, Any]:  # as run_events_bench without vLLM
+        return {"ratio": None, "target": 4.0, "meets": False, "ours_events_per_s": 123,
+                "baseline": "unavailable: ModuleNotFoundError: No module named 'vllm'"}
+
+    def memory(quick: bool) -> dict[str, Any]:  # a suite's own "unavailable" baseline
+        return {"ratio": None, "target": 1.0, "meets": False, "baseline": "unavailable: x"}
+
+    got = _run(monkeypatch, capsys, tmp_path, {"events": events, "memory": memory})
+    assert got["events"]["reason"] == "vLLM baseline not run: no vllm here"
+    assert got["events"]["ours_events_per_s"] == 123
+    assert got["memory"]["reason"] == "baseline not run: unavailable: x"
+    md = (tmp_path / "bench.md").read_text()
+    assert "| events | None |  | 4.0 | not run | vLLM baseline not run: no vllm here |" in md
+    assert "no ratio measured" not in md
+
+
+def test_bench_quick_without_vllm_says_the_events_suite_did_not_run(tmp_path: Path) -> None:
+    """The real CLI, with vLLM unimportable (a stand-in package that raises on import, first
+    on the path): the events suite reports "not run" and why."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "fake" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('vLLM hidden by the test')\n")
+    env = {**os.environ, "PYTHONPATH": f"{fake.parent}{os.pathsep}"
+           f"{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "kvoffload", "bench", "--quick", "--suite",
+                          "events", "--json", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)["suites"]["events"]
+    assert r["ratio"] is None and r["not_run"].startswith("vLLM baseline not run:"), r
+    assert "vLLM hidden by the test" in r["reason"] and r["ours_events_per_s"] > 0
+    assert "| events | None |" in (tmp_path / "out" / "bench.md").read_text()
+    assert "not run" in (tmp_path / "out" / "bench.md").read_text()
