@@ -31,7 +31,7 @@ log = logging.getLogger("kvoffload.connector.vllm")
 
 class KVOffloadConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        box = Handover(kv_cache_config)
+        box = Handover(kv_cache_config, vllm_config)
         token = CURRENT.set(box)
         try:
             super().__init__(vllm_config, role, kv_cache_config)

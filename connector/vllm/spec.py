@@ -58,7 +58,8 @@ class KVOffloadSpec(OffloadingSpec):
             log.info("kvoffload: loaded into vLLM's stock OffloadingConnector: group kinds come "
                      "from window sizes, and a load that loses its slot stops the engine "
                      "instead of being recomputed (use kv_connector=KVOffloadConnector)")
-        self.geometry = build_geometry(config, kv_cache_config)
+        self.geometry = build_geometry(
+            config, kv_cache_config, self.handover.vllm_config if self.handover else None)
         self._manager: DaemonOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
