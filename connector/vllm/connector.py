@@ -10,9 +10,16 @@ vLLM's public connector API:
   hashes (self-describing events), and the outcome of each request's lookup
   (``get_num_new_matched_tokens``) for the daemon's lookup events;
 * failed loads: a request whose blocks the worker could not prove intact is returned in
-  ``failed_recving`` (vLLM then recomputes it, or fails it, per ``kv_load_failure_policy``).
-  vLLM 0.33 refuses block-level load errors on hybrid models (several KV-cache groups), so
-  failures are reported per request.
+  ``failed_recving``, and vLLM recomputes it. vLLM 0.33 refuses block-level load errors on
+  hybrid models (several KV-cache groups), so failures are reported per request.
+
+vLLM's ``kv_load_failure_policy`` defaults to ``"fail"`` (an error for the user) and vLLM's
+Scheduler reads it right after this constructor returns (``Scheduler.__init__``:
+``recompute_kv_load_failures``), so the constructor sets it to ``"recompute"``: here a failed
+load only means the pool slot could not be proved intact, and recomputing is always correct.
+vLLM keeps no record of which config fields were given, so an explicit ``"fail"`` cannot be
+told from the default: it is overridden too (docs/vllm.md). Under ``MultiConnector`` the
+scheduler reads the parent's config, which this constructor does not see: set it there.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import time
 from typing import Any
 
 from kvoffload.connector.vllm.handover import CURRENT, Handover
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
@@ -38,11 +46,13 @@ class KVOffloadConnector(OffloadingConnector):
         finally:
             CURRENT.reset(token)
         self._handover = box
-        kvt = getattr(vllm_config, "kv_transfer_config", None)
-        policy = getattr(kvt, "kv_load_failure_policy", "recompute")
-        if policy != "recompute":
-            log.warning("kvoffload: kv_load_failure_policy is %r: a load that lost its block "
-                        "fails its request; set it to 'recompute' to recompute instead", policy)
+        kvt = vllm_config.kv_transfer_config  # vLLM's base constructor checked it is set
+        if kvt.kv_load_failure_policy != "recompute":
+            if role == KVConnectorRole.SCHEDULER:  # the one reader; one line per engine
+                log.info("kvoffload: kv_load_failure_policy %r -> 'recompute': a load whose "
+                         "pool slots were reused is recomputed, not failed",
+                         kvt.kv_load_failure_policy)
+            kvt.kv_load_failure_policy = "recompute"
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)

@@ -1,12 +1,16 @@
 """Our ``kv_connector_extra_config`` keys, parsed once, and the vLLM versions we are tested on.
 
-Every key is documented in docs/vllm.md. A bad value stops the engine's start with one line that
-names the key; so does a vLLM version this plugin was not tested with (the scheduler's calling
-pattern is the contract, and it changes between releases), unless the operator overrides it.
+Every key is documented in docs/vllm.md (``KNOWN_KEYS``; a test checks the table against it). A
+bad value, an unknown ``kvoffload_*`` key (a typo would otherwise be a silent default) or a vLLM
+setting the plugin cannot serve safely stops the engine's start with one line that names the
+key; so does a vLLM version this plugin was not tested with (the scheduler's calling pattern is
+the contract, and it changes between releases), unless the operator overrides it.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,8 +26,30 @@ _BOOL_TRUE = ("1", "true", "yes", "on")
 OFFLOAD_PROMPT_ONLY = True
 
 
+# Every kvoffload_* key the plugin reads (settings.py, spec.py, geometry.py, and the CURVE keys
+# daemon/control/security.py reads); a key read anywhere else must be added here.
+KNOWN_KEYS = frozenset({
+    "kvoffload_control", "kvoffload_timeout_ms", "kvoffload_retry_ms", "kvoffload_liveness_ms",
+    "kvoffload_sync_ms", "kvoffload_io_sched_batch", "kvoffload_store_reserve",
+    "kvoffload_find_ttl_steps", "kvoffload_offload_policy", "kvoffload_reset_daemon",
+    "kvoffload_namespace", "kvoffload_prefill_tokens_per_s", "kvoffload_copy_bytes_per_s",
+    "kvoffload_curve_client_key", "kvoffload_curve_server_public_key", "kvoffload_pool_path",
+    "kvoffload_copy_async",
+})
+# Keys earlier versions read (the per-lookup round trips before the shared index): still in
+# operators' configs and older docs, so they are ignored with a warning rather than refused.
+RETIRED_KEYS = frozenset({"kvoffload_lookup_wait_ms", "kvoffload_prefetch",
+                          "kvoffload_prefetch_max"})
+
+log = logging.getLogger("kvoffload.connector.vllm")
+
+
 class UntestedVllm(RuntimeError):
     pass
+
+
+class SettingError(ValueError):
+    """A setting the plugin refuses at engine start (one line, naming the setting)."""
 
 
 def check_vllm_version(version: str) -> None:
@@ -31,6 +57,42 @@ def check_vllm_version(version: str) -> None:
         return
     raise UntestedVllm(f"kvoffload is tested with vLLM {', '.join(TESTED_VLLM)}, not {version}; "
                        f"set {ALLOW_UNTESTED_ENV}=1 to load it anyway")
+
+
+def check_keys(extra: Mapping[str, Any]) -> None:
+    """Refuse an unknown ``kvoffload_*`` key, naming the closest known one."""
+    for key in extra:
+        if not str(key).lower().startswith("kvoffload") or key in KNOWN_KEYS:
+            continue
+        if key in RETIRED_KEYS:
+            log.warning("kvoffload: kv_connector_extra_config[%r] is no longer read; ignored", key)
+            continue
+        close = difflib.get_close_matches(str(key), sorted(KNOWN_KEYS), n=1, cutoff=0.0)
+        raise SettingError(f"kv_connector_extra_config[{key!r}] is not a kvoffload setting; "
+                           f"did you mean {close[0]!r}? (docs/vllm.md lists them)")
+
+
+def check_sync_loads(extra: Mapping[str, Any]) -> None:
+    """Refuse vLLM's sync (expedited) loads: nothing can check them before they are used.
+
+    vLLM 0.33 starts and waits a sync load inside ``start_load_kv``, before the forward that
+    reads it; the generation check after the copy runs in ``get_finished``, after the forward;
+    and a sync load reported failed trips the offloading worker's ``assert success``. Until the
+    worker proves expedited loads inside ``wait`` (before the forward), a nonzero budget would
+    let a forward read a slot that went to another writer.
+    """
+    raw = extra.get("sync_load_budget_bytes", 0)
+    try:
+        budget = int(raw)
+    except (TypeError, ValueError):
+        raise SettingError(f"kv_connector_extra_config['sync_load_budget_bytes'] must be an "
+                           f"integer, got {raw!r}") from None
+    if budget:
+        raise SettingError(
+            f"kv_connector_extra_config['sync_load_budget_bytes']={budget} is refused by "
+            "kvoffload: vLLM's forward reads a sync load before the plugin can check that its "
+            "pool slots were not reused, and a failed one stops the engine; remove it (async "
+            "loads are checked)")
 
 
 @dataclass(frozen=True)

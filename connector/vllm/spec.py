@@ -19,6 +19,8 @@ from kvoffload.connector.vllm.manager import DaemonOffloadingManager
 from kvoffload.connector.vllm.settings import (
     OFFLOAD_PROMPT_ONLY,
     _setting,
+    check_keys,
+    check_sync_loads,
     check_vllm_version,
     manager_settings,
 )
@@ -41,6 +43,8 @@ class KVOffloadSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         check_vllm_version(vllm.__version__)
+        check_keys(self.extra_config)
+        check_sync_loads(self.extra_config)
         self.endpoint = str(self.extra_config.get("kvoffload_control", "")) or os.environ.get(
             "KVOFFLOAD_CONTROL", "")
         if not self.endpoint:
@@ -53,13 +57,16 @@ class KVOffloadSpec(OffloadingSpec):
         if "offload_prompt_only" not in self.extra_config:  # vLLM's key, our default
             self.offload_prompt_only = OFFLOAD_PROMPT_ONLY
         self.handover = handover.CURRENT.get()
-        kv_cache_config = self.handover.kv_cache_config if self.handover else None
-        if self.handover is None:
-            log.info("kvoffload: loaded into vLLM's stock OffloadingConnector: group kinds come "
-                     "from window sizes, and a load that loses its slot stops the engine "
-                     "instead of being recomputed (use kv_connector=KVOffloadConnector)")
-        self.geometry = build_geometry(
-            config, kv_cache_config, self.handover.vllm_config if self.handover else None)
+        box = self.handover
+        if box is None:
+            log.warning("kvoffload: loaded into vLLM's stock OffloadingConnector: a load whose "
+                        "pool slots were reused fails its job and vLLM's offloading worker "
+                        "asserts (the engine stops), and the namespace cannot include the model "
+                        "config (quantization, revision, overrides, hash algorithm); use "
+                        "kv_connector=KVOffloadConnector, "
+                        "kv_connector_module_path=kvoffload.connector.vllm")
+        self.geometry = build_geometry(config, box.kv_cache_config if box else None,
+                                       box.vllm_config if box else None)
         self._manager: DaemonOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
