@@ -5,7 +5,8 @@ Load it with ``kv_connector="KVOffloadConnector"``,
 ``kv_connector_extra_config`` is the same as for the stock connector. It only adds, through
 vLLM's public connector API:
 
-* the engine's ``KVCacheConfig`` for the spec (group kinds), via ``handover.py``;
+* the engine's ``KVCacheConfig`` (group kinds) and ``VllmConfig`` (the model identity in the
+  namespace, ``geometry.model_identity``) for the spec, via ``handover.py``;
 * every request the scheduler sees (``on_new_request``), so stores carry token ids and fine
   hashes (self-describing events), and the outcome of each request's lookup
   (``get_num_new_matched_tokens``) for the daemon's lookup events;
