@@ -169,7 +169,7 @@ class DaemonClient:
 
     def register_reader(self, geometry: Geometry, instance: str = "",
                         data_parallel_rank: int | None = None, *, writer_lock: bool = False,
-                        supersedes: str = "") -> p.Registered:
+                        supersedes: str = "", timeout_ms: int | None = None) -> p.Registered:
         """Register as an engine that reads the shared index in place (``IndexSession``)."""
         if self.welcome is None:
             self.connect()
@@ -178,7 +178,8 @@ class DaemonClient:
                                      prefill_tokens_per_s=prefill, copy_bytes_per_s=copy,
                                      reads_index=True, instance=instance,
                                      data_parallel_rank=data_parallel_rank,
-                                     writer_lock=writer_lock, supersedes=supersedes))
+                                     writer_lock=writer_lock, supersedes=supersedes),
+                          timeout_ms)
         self.registered = _expect(reply, p.Registered)
         self._geometry = (geometry, 0)
         self._identity = (instance, data_parallel_rank)

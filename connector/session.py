@@ -1,20 +1,27 @@
 """An index-reading engine's session with the daemon: no message on the lookup path.
 
 ``IndexSession`` is what an engine's scheduler process holds (the vLLM manager uses it; any
-engine can): it registers once (the only call it waits for, bounded by a timeout and made at
-most once per retry window), maps the daemon's shared index (``IndexView``) and its own reader
-record, and then talks to the daemon only by sending ``Step`` messages without waiting; replies
-are read, non-blocking, at the next step.
+engine can). Attaching -- Register, mapping the shared index (``IndexView``: a full read of
+the table), its session file, a first store reservation -- runs on a background thread, never
+on the scheduler's step: while it runs the session is offline (lookups miss, stores are
+skipped, counted), and the next step after it finished picks the result up. After that the
+session talks to the daemon only by sending ``Step`` messages without waiting; replies are read,
+non-blocking, at the next step.
 
 Liveness without a round trip: the daemon stamps a heartbeat into the index header. A stale
 stamp, a superseded index (a newer daemon took the pool over), a send the socket refuses, or a
-reply overdue by more than the liveness window make the session offline for ``retry_ms``:
-lookups then miss, nothing is stored, and after the window it re-attaches by itself (a new
-socket and registration: whatever the old session held is released by its lease).
+reply overdue by more than the liveness window make the session offline for ``retry_ms``; then
+it re-attaches by itself, naming its earlier session (``Register.supersedes``) so the daemon
+releases what that one held at once (its grants revoked and quarantined while this engine's
+workers may still copy into them), not after a lease.
 
-The reader record protocol (``daemon/store/reclaim.py``): ``begin()`` marks the record busy with the
-epoch it is about to read past, refreshes the view, then records the epoch it applied; ``send``
-counts the message and, at the end of a step, marks the record idle.
+The other direction: vLLM does not step an idle engine, so a background thread stamps this
+engine's heartbeat into its session file a few times per lease; the daemon renews the lease from
+it. An idle engine keeps its reservation; a frozen one (SIGSTOP) stops stamping and loses it.
+
+The reader record protocol (``daemon/store/reclaim.py``): ``begin()`` marks the record busy with
+the epoch it is about to read past, a full fence, then refreshes the view and records the epoch
+it applied; ``send`` counts the message and, at the end of a step, marks the record idle.
 """
 
 from __future__ import annotations
@@ -22,54 +29,89 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import struct
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, cast
 
+import numpy as np
 import zmq
 from kvoffload.connector.client import DaemonClient, DaemonUnavailable, background_context
 from kvoffload.connector.index_view import IndexGone, IndexView
 from kvoffload.daemon.base import Geometry
 from kvoffload.daemon.control import protocol as p
 from kvoffload.daemon.control.security import CurveClientKeys
+from kvoffload.daemon.store import fence, session_file
 from kvoffload.daemon.store import shared_index as si
 
 log = logging.getLogger("kvoffload.connector")
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+REGISTER_MS = 30_000  # a first Register sizes the pool and builds its index: off the step
+_FIELDS = struct.Struct("<IQQ")  # busy, epoch, sent: the record after its sequence word
 
 
 class ReaderRecord:
-    """This engine's record in the daemon's readers file (written here, read by the daemon)."""
+    """This engine's record in its session file (written here, read by the daemon)."""
 
-    def __init__(self, path: str, record: int) -> None:
+    def __init__(self, path: str, record: int = 0) -> None:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             self._mm = mmap.mmap(fd, 0, mmap.MAP_SHARED)
         finally:
             os.close(fd)
-        if not 0 <= record < len(self._mm) // si.READER_BYTES:
+        if record != 0 or len(self._mm) < session_file.FILE_BYTES:
             self._mm.close()
-            raise IndexGone(f"reader record {record} is outside {path}")
-        self._off = record * si.READER_BYTES
-        self._seq = si.SEQ.unpack_from(self._mm, self._off)[0] & ~1
+            raise IndexGone(f"{path} is not a session file (record {record})")
+        self._u32 = np.frombuffer(self._mm, dtype="<u4", count=2)
+        self._u64 = np.frombuffer(self._mm, dtype="<u8", count=4)
+        self._seq = int(self._u32[0]) & ~1
+        self._lock = threading.Lock()  # the heartbeat thread vs close()
 
     def write(self, busy: bool, epoch: int, sent: int) -> None:
-        self._seq += 1  # odd: the daemon retries
-        si.SEQ.pack_into(self._mm, self._off, self._seq)
-        si.READER.pack_into(self._mm, self._off, self._seq, int(busy), epoch, sent)
-        self._seq += 1
-        si.SEQ.pack_into(self._mm, self._off, self._seq)
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        self._u32[0] = self._seq  # odd: the daemon retries
+        fence.store_store()
+        _FIELDS.pack_into(self._mm, 4, int(busy), epoch, sent)
+        fence.store_store()
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        self._u32[0] = self._seq
+
+    def stamp(self) -> None:
+        """The heartbeat: its own aligned word, so it needs no sequence lock."""
+        with self._lock:
+            if self._mm is not None:
+                self._u64[session_file.HEARTBEAT_OFFSET // 8] = si.now_ns()
 
     def close(self) -> None:
-        self._mm.close()
+        with self._lock:
+            if self._mm is not None:
+                del self._u32, self._u64
+                self._mm.close()
+                self._mm = None  # type: ignore[assignment]
+
+
+class _Attached:
+    """What a background attach hands to the step: everything it made, or why not."""
+
+    __slots__ = ("reg", "view", "record", "replies", "sent", "error")
+
+    def __init__(self) -> None:
+        self.reg: p.Registered | None = None
+        self.view: IndexView | None = None
+        self.record: ReaderRecord | None = None
+        self.replies: list[p.StepReply] = []
+        self.sent = 0  # Steps it sent (the reservation)
+        self.error = ""
 
 
 class IndexSession:
     def __init__(self, endpoint: str, geometry: Geometry, *, timeout_ms: int = 500,
                  retry_ms: int = 1000, liveness_ms: int = 2000, name: str = "",
                  instance: str = "", curve: CurveClientKeys | None = None,
-                 time_model: tuple[float, float] | None = None, sync_ms: int = 2,
-                 data_parallel_rank: int | None = None, io_sched_batch: bool = False) -> None:
+                 time_model: tuple[float, float] | None = None, sync_ms: int = 1,
+                 data_parallel_rank: int | None = None, io_sched_batch: bool = False,
+                 reserve: int = 0, writer_lock: bool = True) -> None:
         self.endpoint = endpoint
         self.data_parallel_rank = data_parallel_rank  # sent on Register: the daemon's view
         self.sync_ms = sync_ms  # longest wait for our own writes' replies at a step's start
@@ -78,6 +120,8 @@ class IndexSession:
         self.retry_ms = retry_ms
         self.liveness_ns = liveness_ms * 1_000_000
         self.instance = instance
+        self.reserve = reserve  # slots asked for right after attaching (the attach thread)
+        self.writer_lock = writer_lock  # our workers take the session's lock (worker.py)
         # Its own context (client.background_context: with io_sched_batch, the I/O thread a
         # Step's send wakes does not preempt the step).
         self.client = DaemonClient(endpoint, timeout_ms=timeout_ms, name=name, curve=curve,
@@ -93,9 +137,16 @@ class IndexSession:
         self._outstanding: dict[int, float] = {}  # rid -> send time of unanswered Steps
         self._sync: set[int] = set()  # of those, the ones the next index read must reflect
         self._pending_replies: list[p.StepReply] = []  # read early, handed out at begin()
+        self._previous = ""  # our last session's file: the next Register releases it
+        self._attaching: threading.Thread | None = None
+        self._attached: _Attached | None = None  # the attach thread's result, once done
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, daemon=True,
+                                           name="kvoffload-heartbeat")
+        self._heartbeat.start()
         self.on_lost: Callable[[], None] = lambda: None  # the manager drops what it held
         self.counters = {"attaches": 0, "offline_events": 0, "steps_sent": 0,
-                         "replies": 0, "send_failures": 0}
+                         "replies": 0, "send_failures": 0, "attach_failures": 0}
 
     # -- attach / detach ----------------------------------------------------------------
 
@@ -103,32 +154,124 @@ class IndexSession:
     def attached(self) -> bool:
         return self.view is not None
 
-    def _attach(self) -> bool:
-        """Register and map the index: the one waiting call, at most once per retry window."""
+    @property
+    def attaching(self) -> bool:
+        return self._attaching is not None
+
+    def start(self, wait_s: float) -> bool:
+        """Attach at engine start, waiting up to ``wait_s`` (off any step: the engine is not
+        serving yet); True once attached. Slower than that, the engine serves without
+        offload until the attach thread is done, and says so once."""
+        self._start_attach()
+        thread = self._attaching
+        if thread is not None:
+            thread.join(wait_s)
+        self._take_attached()
+        if self.view is None:
+            log.warning("kvoffload: not attached to the daemon at %s after %.1f s (%s); the "
+                        "engine serves without offload until it is", self.endpoint, wait_s,
+                        "still registering" if self._attaching is not None else
+                        "see the warning above")
+        return self.view is not None
+
+    def _start_attach(self) -> None:
+        if self._attaching is not None or time.monotonic() < self._offline_until:
+            return
+        self.client.reset_socket()  # the old socket is not used from now on
+        self._sock = None
+        self._attaching = threading.Thread(target=self._attach_thread, daemon=True,
+                                           name="kvoffload-attach")
+        self._attaching.start()
+
+    def _attach_thread(self) -> None:
+        """Register, map the index and the session file, fill the reservation: the waiting
+        part of attaching, off the scheduler's thread."""
+        out = _Attached()
         try:
-            # No goodbye for an old session: loads in flight may still read what it pinned;
-            # its lease releases it (and fences its slots) when it runs out.
-            self.client.reset_socket()
             self.client.connect()
-            self.reg = reg = self.client.register_reader(self.geometry, self.instance,
-                                                         self.data_parallel_rank)
+            reg = self.client.register_reader(self.geometry, self.instance,
+                                              self.data_parallel_rank,
+                                              writer_lock=self.writer_lock,
+                                              supersedes=self._previous,
+                                              timeout_ms=max(self.timeout_ms, REGISTER_MS))
             if not reg.index_path:
                 raise IndexGone("the daemon publishes no shared index (shared_index = false)")
-            self.view = IndexView(reg.index_path, reg.engine, reg.daemon_id)
-            self._record = ReaderRecord(reg.readers_path, reg.reader_record)
-        except (DaemonUnavailable, p.ProtocolError, IndexGone, OSError) as exc:
-            self._lost(f"cannot attach: {exc}")
+            if not fence.AVAILABLE:
+                raise IndexGone("no memory fence on this CPU (libatomic.so.1 is missing)")
+            out.reg = reg
+            out.view = IndexView(reg.index_path, reg.engine, reg.daemon_id)
+            out.record = ReaderRecord(reg.readers_path, reg.reader_record)
+            out.record.write(False, out.view.applied, 0)
+            out.record.stamp()
+            if self.reserve:
+                out.replies = self._first_reservation(out.view.applied)
+                out.sent = 1
+        except (DaemonUnavailable, p.ProtocolError, IndexGone, OSError, zmq.ZMQError) as exc:
+            out.error = f"cannot attach: {exc}"
+            for res in (out.view, out.record):
+                if res is not None:
+                    res.close()
+            out.view = out.record = None
+        self._attached = out  # handed over under the GIL; picked up by the next step
+
+    def _first_reservation(self, epoch: int) -> list[p.StepReply]:
+        """One reservation, waited for here (the attach thread): stores have slots at once.
+        The reply is handed to the manager with the step's other replies."""
+        reg = self.client.registered
+        assert reg is not None
+        sock = self.client.socket()
+        msg = p.Step(rid=self.client.rid(), engine=reg.engine, epoch=epoch,
+                     reserve=self.reserve)
+        sock.send(p.encoder.encode(msg), zmq.NOBLOCK)
+        out: list[p.StepReply] = []
+        if sock.poll(self.timeout_ms):
+            reply = p.reply_decoder.decode(sock.recv())
+            if isinstance(reply, p.StepReply):
+                out.append(reply)
+        return out
+
+    def _take_attached(self) -> bool:
+        """The step's side of attaching: install what the attach thread made."""
+        out, thread = self._attached, self._attaching
+        if out is None or thread is None:
             return False
+        thread.join()  # done already: it set ``_attached`` last
+        self._attached, self._attaching = None, None
+        if out.error or out.view is None or out.record is None or out.reg is None:
+            self.counters["attach_failures"] += 1
+            self._lost(out.error or "cannot attach")
+            return False
+        self.reg, self.view, self._record = out.reg, out.view, out.record
+        self._previous = out.reg.readers_path
         # The client's socket: Steps go out on it, so they are ordered after the Register.
         self._sock = self.client.socket()
-        self._sent = 0
+        self._sent = out.sent
         self._outstanding.clear()
         self._sync.clear()
-        self._record.write(False, self.view.applied, 0)
+        self._record.write(False, self.view.applied, self._sent)
+        self._pending_replies.extend(out.replies)
         self.counters["attaches"] += 1
-        log.info("kvoffload: attached to daemon %s (engine %d, %d slots)", reg.daemon_id,
-                 reg.engine, reg.num_slots)
+        log.info("kvoffload: attached to daemon %s (engine %d, %d slots)", out.reg.daemon_id,
+                 out.reg.engine, out.reg.num_slots)
         return True
+
+    def settle(self) -> bool:
+        """Between steps: start a due re-attach or install a finished one (never waits)."""
+        if self.view is None:
+            if self._attaching is None:
+                self._start_attach()
+            self._take_attached()
+        return self.view is not None
+
+    def _beat(self) -> None:
+        """Stamp our heartbeat a few times per lease, whether vLLM steps or not."""
+        while not self._stop.is_set():
+            record = self._record
+            if record is not None:
+                record.stamp()
+            welcome = self.client.welcome
+            lease_s = (welcome.lease_ms if welcome is not None else 10_000) / 1000
+            self._stop.wait(max(0.02, min(1.0, lease_s / 4)))
 
     def _lost(self, why: str) -> None:
         if time.monotonic() >= self._offline_until:
@@ -140,11 +283,13 @@ class IndexSession:
 
     def _detach(self) -> None:
         was = self.view is not None
-        for res in (self.view, self._record):
+        view, record = self.view, self._record
+        self.view, self._record, self._sock, self._busy = None, None, None, False
+        for res in (view, record):
             if res is not None:
                 res.close()
-        self.view, self._record, self._sock, self._busy = None, None, None, False
-        self.client.reset_socket()  # a fresh identity: the old one's lease releases its hold
+        if self._attaching is None:
+            self.client.reset_socket()  # a fresh identity for the next attach
         self._outstanding.clear()
         self._sync.clear()
         if was:
@@ -172,10 +317,13 @@ class IndexSession:
     # -- one step -------------------------------------------------------------------------
 
     def begin(self) -> list[p.StepReply] | None:
-        """First index read of a step: None when offline, else the replies that arrived."""
-        if self.view is None and (time.monotonic() < self._offline_until
-                                  or not self._attach()):
-            return None
+        """First index read of a step: None when offline, else the replies that arrived.
+        Never waits on the daemon beyond ``sync_ms`` (attaching runs on its own thread)."""
+        if self.view is None:
+            if self._attaching is None:
+                self._start_attach()
+            if not self._take_attached():
+                return None
         why = self._healthy()
         if why is not None:
             self._lost(why)
@@ -195,6 +343,7 @@ class IndexSession:
         if self.view is None:
             return None  # lost while reading replies
         record.write(True, view.applied, self._sent)  # busy from before the read on
+        fence.full()  # ... visible to the daemon before we read what it published
         view.refresh()
         record.write(True, view.applied, self._sent)
         self._busy = True
@@ -291,5 +440,11 @@ class IndexSession:
         return True
 
     def close(self) -> None:
+        """A clean goodbye: the daemon releases what this session holds at once."""
+        self._stop.set()
+        thread = self._attaching
+        if thread is not None:
+            thread.join(self.timeout_ms / 1000 + 1)
+            self._take_attached()
+        self.client.close()  # sends Bye while the daemon still knows us
         self._detach()
-        self.client.close()

@@ -4,8 +4,11 @@ Built by the scheduler-side manager, shipped by vLLM inside the connector metada
 worker process unchanged, so it is small and picklable. ``slots[i]`` and ``gens[i]`` belong to
 the job's i-th key; vLLM lists keys in the order of the job's GPU blocks (group by group, one
 block per key). A slot of -1 means "nothing to copy for this block" (a store the plugin could
-not place). ``gens`` are the slots' writer generations as the manager saw them: a worker that
-finds a slot handed to another writer fails the load instead of using the bytes.
+not place). ``gens`` are, for a load, the slots' ident words as the manager read them
+(generation and key tag, ``shared_index.ident``), for a store the reservation's generations: a
+worker that finds a slot handed to another writer fails the load instead of using the bytes, and
+writes nothing into a store slot that is no longer ours. ``lock`` (stores) is the session file
+whose lock the worker holds while it copies (``connector/writer_lock.py``).
 
 vLLM pickles the connector metadata once per step for its workers, and every worker unpickles
 it: both classes pickle as one constructor call over a tuple (no attribute names, no
@@ -38,14 +41,15 @@ class PoolInfo:
 
 class PoolSlotsSpec(LoadStoreSpec):
     def __init__(self, slots: list[int], pool: PoolInfo | None, gens: list[int] | None = None,
-                 req_id: str | None = None) -> None:
+                 req_id: str | None = None, lock: str = "") -> None:
         self.slots = slots
         self.pool = pool
         self.gens = gens if gens is not None else [0] * len(slots)
         self.req_id = req_id  # loads: the request a failed copy is reported for
+        self.lock = lock  # stores: the writers' lock of the session that holds the grants
 
     def __reduce__(self) -> tuple[type[PoolSlotsSpec], tuple[Any, ...]]:
-        return PoolSlotsSpec, (self.slots, self.pool, self.gens, self.req_id)
+        return PoolSlotsSpec, (self.slots, self.pool, self.gens, self.req_id, self.lock)
 
     def __repr__(self) -> str:
         return f"PoolSlotsSpec(slots={self.slots}, gens={self.gens})"

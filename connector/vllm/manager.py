@@ -36,6 +36,7 @@ from kvoffload.connector.vllm.requests import RequestInfo, store_item
 from kvoffload.connector.vllm.settings import ManagerSettings
 from kvoffload.daemon.base import Geometry, key_group
 from kvoffload.daemon.control import protocol as p
+from kvoffload.daemon.store import shared_index as si
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
@@ -49,6 +50,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 log = logging.getLogger("kvoffload.connector.vllm")
+ATTACH_WAIT_S = 10.0  # longest wait for the first registration, at engine start only
 
 HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                              LookupResult.RETRY)
@@ -66,6 +68,7 @@ class DaemonOffloadingManager(OffloadingManager):
         self.geometry = geometry
         self.settings = settings
         session.on_lost = self._drop_daemon_state
+        session.reserve = settings.reserve  # the attach thread's first reservation
         self._block = {geometry.group_id(i): g.tokens_per_block * geometry.blocks_per_chunk
                        for i, g in enumerate(geometry.groups)}
         self.requests: dict[str, RequestInfo] = {}  # handed over by KVOffloadConnector
@@ -93,28 +96,18 @@ class DaemonOffloadingManager(OffloadingManager):
 
     # -- the step -----------------------------------------------------------------------
 
-    def attach(self) -> None:
-        """Register, map the index and fill the store reservation now, at engine start, so
-        the first step neither waits nor finds prepare_store without slots."""
+    def attach(self, wait_s: float = ATTACH_WAIT_S) -> None:
+        """Register, map the index and fill the store reservation now, at engine start (the
+        engine is not serving yet, so this may wait), so that the first step neither waits
+        nor finds prepare_store without slots. Re-attaching later never waits on a step."""
+        self.session.start(wait_s)
         self._begin()
         self.session.end_idle()
         self._busy = False
 
-    def _fill_reservation(self) -> None:
-        """Right after (re-)attaching: one bounded wait, so stores have slots at once."""
-        want = self.settings.reserve
-        rid = self.session.send(lambda rid, engine, epoch: p.Step(
-            rid=rid, engine=engine, epoch=epoch, reserve=want), end_of_step=True)
-        if rid is not None:
-            self._reserve_asked += want
-            self._reserve_rids[rid] = want
-            for reply in self.session.wait_replies(self.settings.timeout_ms):
-                self._absorb(reply)
-
     def _begin(self) -> None:
         """First call of a step: refresh the view, read replies. Sets ``_busy``."""
         self._busy = True
-        attaches = self.session.counters["attaches"]
         replies = self.session.begin()
         view = self.session.view
         # The view's own containers, bound for this step (empty ones when offline).
@@ -122,8 +115,6 @@ class DaemonOffloadingManager(OffloadingManager):
         self._not_worth = view.not_worth if view is not None else set()
         if replies is None:
             return
-        if self.session.counters["attaches"] != attaches:
-            self._fill_reservation()
         reg = self.session.reg
         if reg is not None and (self._pool is None or self._pool.daemon_id != reg.daemon_id):
             self._pool = PoolInfo(reg.daemon_id, reg.pool_path,
@@ -226,7 +217,8 @@ class DaemonOffloadingManager(OffloadingManager):
         for key in keys:
             ref = view.ready.get(key) if view is not None else None
             if ref is None and key in self._committed:
-                ref = self._storing.get(key)  # our own committed store (see lookup)
+                own = self._storing.get(key)  # our own committed store (see lookup)
+                ref = (own[0], si.ident(own[1], key)) if own is not None else None
             if ref is None:
                 # Only a HIT of this step is loaded; its view vanished (offline mid-step).
                 slots.append(-1)
@@ -234,8 +226,8 @@ class DaemonOffloadingManager(OffloadingManager):
                 self.counters["loads_without_slot"] += 1
                 continue
             slots.append(ref[0])
-            gens.append(ref[1])
-            refs.append(p.SlotRef(key, ref[0], ref[1]))
+            gens.append(ref[1])  # the ident word: the worker checks generation and key tag
+            refs.append(p.SlotRef(key, ref[0], ref[1] & si.GEN_MASK))
         self._batch.pins.extend(refs)
         self._loads.setdefault(req_context.req_id, []).extend(refs)
         self.counters["loads"] += 1
@@ -278,8 +270,9 @@ class DaemonOffloadingManager(OffloadingManager):
             slots.append(slot)
             gens.append(gen)
         self.counters["stores_offered"] += len(new)
+        lock = self.session.reg.readers_path if self.session.reg is not None else ""
         return PrepareStoreOutput(keys_to_store=new,
-                                  store_spec=PoolSlotsSpec(slots, self._pool, gens),
+                                  store_spec=PoolSlotsSpec(slots, self._pool, gens, lock=lock),
                                   evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
@@ -364,6 +357,8 @@ class DaemonOffloadingManager(OffloadingManager):
                     self._claim_rids[rid] = [c.item.key for c in batch.claims]
         else:
             self.session.end_idle()
+            if not self.session.attached:
+                self.session.settle()  # a re-attach finished: the next step serves again
         self._busy = False
         self._step += 1
 

@@ -7,8 +7,12 @@ rank's page of each slot. A restarted daemon has a new ``daemon_id``, and the ne
 pool afresh.
 
 A load is used only if it provably read the block the manager saw: before and after the copy,
-every slot's generation in the daemon's shared index must still be the one in the spec (a slot
-handed to another writer, or an index a newer daemon superseded, fails it). A failed load is
+every slot's ident word (generation and key tag) in the daemon's shared index must still be the
+one in the spec (a slot handed to another writer, or an index a newer daemon superseded, fails
+it). A store is written only under its session's writers' lock (``connector/writer_lock.py``),
+taken before the generation pre-check and dropped once the copy is complete, so the daemon can
+never hand a slot we may still write to another writer; after the copy the generations are
+checked again, and a store revoked meanwhile is counted (the daemon refuses its commit). A failed load is
 never reported as a success with bytes it did not have: under ``KVOffloadConnector`` the job
 completes and its request goes to vLLM's load-failure path (recompute, or fail the request, per
 ``kv_load_failure_policy``); under vLLM's stock connector, which cannot take load failures, the
@@ -36,6 +40,7 @@ from kvoffload.connector.transfer.engine import (
 )
 from kvoffload.connector.transfer.pool_map import PoolMapping
 from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
+from kvoffload.connector.writer_lock import WriterLocks
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -65,8 +70,12 @@ class DaemonOffloadingWorker(OffloadingWorker):
         self.failed_requests: set[str] = set()
         self._gens: SlotGenerations | None = None
         self._gens_path = ""
-        # Load jobs to verify once copied: job -> (request, expedited, slots, gens).
+        # Load jobs to verify once copied: job -> (request, expedited, slots, idents).
         self._verify: dict[int, tuple[str | None, bool, np.ndarray, np.ndarray]] = {}
+        # Store jobs in flight: job -> (lock path, slots, generations).
+        self._stores: dict[int, tuple[str, np.ndarray, np.ndarray]] = {}
+        self.locks = WriterLocks()
+        self.stores_revoked = 0  # store jobs whose slots were revoked during the copy
         self.layout = layout_from_canonical(kv_caches)
         self.rank = rank
         self.tp_world_size = tp_world_size
@@ -159,8 +168,24 @@ class DaemonOffloadingWorker(OffloadingWorker):
         view = self._generations(pool) if pool is not None else None
         return view is not None and bool(view.intact_mask(slots, gens).all())
 
+    def _store_done(self, job_id: int) -> None:
+        """A store job is complete: check its slots are still ours, then drop the lock."""
+        held = self._stores.pop(job_id, None)
+        if held is None:
+            return
+        path, slots, gens = held
+        view = self._generations(self._pool) if self._pool is not None else None
+        if view is None or not view.intact_mask(slots, gens, key_bound=False).all():
+            # Revoked mid-copy: the slots stay quarantined until we drop the lock below, and
+            # the daemon refuses this store's commit (its generation moved).
+            self.stores_revoked += 1
+            log.warning("kvoffload store job %d: its slots were revoked during the copy; "
+                        "the daemon will refuse its commit", job_id)
+        self.locks.release(path)
+
     def _result(self, r: CopyResult) -> TransferResult:
         ok = r.ok
+        self._store_done(r.job_id)
         check = self._verify.pop(r.job_id, None)
         if check is not None and ok:
             ok = self._intact(self._pool, check[2], check[3])  # after the copy: nobody wrote
@@ -195,7 +220,7 @@ class DaemonOffloadingWorker(OffloadingWorker):
         try:
             # (group, block, slot) rows in the spec's order; gens[i] is row i's generation.
             items = items_for_groups(gpu.block_ids, gpu.group_sizes, pool_spec.slots)
-            gens = np.asarray(pool_spec.gens, dtype=np.int64).reshape(-1)
+            gens = np.asarray(pool_spec.gens, dtype=np.uint64).reshape(-1)
             if len(gens) != len(items):
                 raise ValueError("slots and gens disagree in length")
         except ValueError as exc:  # blocks and slots disagree: a bug, reported, never raised
@@ -205,15 +230,24 @@ class DaemonOffloadingWorker(OffloadingWorker):
             return True
         placed = items[:, 2] >= 0
         if store:
-            # Write only into slots still reserved for us at the spec's generation; a slot
-            # lost meanwhile is not written (its commit is refused: never readable).
+            # The lock first, then the check: once the daemon revoked these grants (a new
+            # generation, then its lock test), either its test fails or we read the new
+            # generation here. A slot lost meanwhile is not written (its commit is refused).
+            # A spec without a lock comes from a caller without a daemon session (benches and
+            # tests that drive the worker directly): nothing can revoke its slots.
             view = self._generations(pool) if pool is not None else None
-            if view is not None:
-                items = items[placed & view.intact_mask(items[:, 2], gens)]
-            if view is None or pool is None or not len(items):
+            lock = pool_spec.lock
+            locked = view is not None and (not lock or self.locks.acquire(lock))
+            if locked and view is not None:
+                keep = placed & view.intact_mask(items[:, 2], gens, key_bound=False)
+                items, gens = items[keep], gens[keep]
+            if not locked or pool is None or not len(items):
+                if locked:
+                    self.locks.release(lock)
                 self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=0,
                                                  transfer_time=0.0))
                 return True
+            self._stores[job_id] = (pool_spec.lock, items[:, 2].copy(), gens)
             self._copier_for(pool).submit_store(job_id, items)
             return True
         if pool is None or not placed.all() or not self._intact(pool, items[:, 2], gens):
@@ -256,6 +290,7 @@ class DaemonOffloadingWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self._close_copier()
+        self.locks.close()
         for lane in (self._lanes or {}).values():
             lane.close()
         self._lanes = None

@@ -1,8 +1,10 @@
 """Clients, their leases, and what each one holds (pins, pending stores).
 
-Every message renews its sender's lease. A sweeper (``expired``) runs a few times per lease
-period; a client whose lease ran out loses its pins and its pending stores, so a killed engine
-never strands pinned or half-written slots.
+Every message renews its sender's lease, and so does the heartbeat an index-reading engine's
+background thread stamps into its session file (vLLM does not step an idle engine: an idle
+engine is alive, and keeps what it was granted). A sweeper (``expired``) runs a few times per
+lease period; a client whose lease ran out loses its pins and its pending stores, so a killed
+or frozen engine never strands pinned or half-written slots.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvoffload.daemon.store.index import BlockIndex
+    from kvoffload.daemon.store.session_file import SessionFile
 
 
 @dataclass(slots=True)
@@ -28,7 +31,9 @@ class ClientState:
     engines: set[int] = field(default_factory=set)  # namespaces it registered (its handles)
     owner: int = 0  # its engine instance's owner id (who stored a block)
     reads_index: bool = False
-    reader_record: int = -1  # its record in the shared index's readers file
+    # Its session file (reader record, heartbeat, its writers' lock), while it reads the index.
+    session: SessionFile | None = None
+    writer_lock: bool = False  # its workers hold the session's lock while they copy
     peer: str = ""  # who connected (CURVE key or tcp address; "" on ipc): identities per peer
 
     def expires_at(self) -> float:
@@ -93,7 +98,14 @@ class Leases:
     def expired(self, now: float | None = None) -> list[ClientState]:
         """Remove and return every client whose lease ran out."""
         now = time.monotonic() if now is None else now
-        gone = [c for c in self.clients.values() if c.expires_at() <= now]
+        gone = []
+        for c in self.clients.values():
+            if c.expires_at() > now:
+                continue
+            if c.session is not None and now - c.session.heartbeat_ns() / 1e9 < c.lease_ms / 1000:
+                c.last_seen = now  # silent but alive: its heartbeat is fresh
+                continue
+            gone.append(c)
         for c in gone:
             self.remove(c)
         return gone

@@ -71,6 +71,11 @@ class Register(_Msg, tag="register"):
     # The engine's data-parallel rank (vLLM's data_parallel_index), or None when not told: a
     # daemon with ``engine_views_auto`` opens one per-engine event view per rank it is told.
     data_parallel_rank: int | None = None
+    # Its workers hold its session file's lock (``readers_path``) while they copy into its
+    # grants: revoked grants are then quarantined until the lock is free, not for a lease.
+    writer_lock: bool = False
+    # The same engine's earlier session (its ``readers_path``), released at once.
+    supersedes: str = ""
 
 
 class LookupQuery(msgspec.Struct, frozen=True, kw_only=True):

@@ -33,6 +33,7 @@ from kvoffload.daemon.lookup.cost import TailCost, TimeModel
 from kvoffload.daemon.lookup.handler import LookupHandler
 from kvoffload.daemon.ops.metrics import DaemonMetrics
 from kvoffload.daemon.store.index import BlockIndex, Namespace
+from kvoffload.daemon.store.session_file import SessionFile
 from kvoffload.daemon.store.shared_index import index_path_for
 from kvoffload.daemon.streams.publish import DaemonEvents
 
@@ -60,7 +61,6 @@ class Service(ServiceUpkeep):
         self.steps.quotas = self.lookups.quotas = self.quotas
         if config.shared_index:
             index.share(str(index_path_for(index.pool.path)), self.daemon_id)
-        self._free_records = list(range(config.max_clients - 1, -1, -1))
         self.http_url = ""
         index.on_ready.append(self._block_added)
         index.on_drop.append(self._block_removed)
@@ -185,14 +185,17 @@ class Service(ServiceUpkeep):
         client.engines.add(ns.id)
         client.owner = self.index.owner_id(msg.instance)
         shared = self.index.shared
+        if msg.supersedes:
+            self._supersede_session(client, msg.supersedes)
         if msg.reads_index and shared is not None and not client.reads_index:
-            if not self._free_records:
-                raise RequestError(p.ErrorCode.TOO_LARGE, "every reader record is in use")
+            try:
+                client.session = SessionFile(shared.path)
+            except OSError as exc:
+                raise RequestError(p.ErrorCode.INTERNAL,
+                                   f"cannot create this engine's session file: {exc}") from None
             client.reads_index = True
-            client.reader_record = self._free_records.pop()
-            shared.clear_reader(client.reader_record)
-            self.index.reclaimer.add_reader(client.identity, self.index.epoch,
-                                            client.reader_record)
+            client.writer_lock = msg.writer_lock
+            self.index.reclaimer.add_reader(client.identity, self.index.epoch, client.session)
         self.metrics.engines.set(len(self.index.namespaces))
         self._update_pool_gauges()
         self.events.engine_registered(msg.data_parallel_rank, msg.instance)  # its event view
@@ -201,9 +204,23 @@ class Service(ServiceUpkeep):
             rank_bytes=pool.slot_bytes // g.tp_world_size, num_slots=pool.num_slots,
             pool_path=str(pool.path), daemon_id=self.daemon_id,
             index_path=str(shared.path) if shared is not None else "",
-            readers_path=str(shared.readers_path) if shared is not None else "",
-            reader_record=client.reader_record, epoch=self.index.epoch,
+            readers_path=str(client.session.path) if client.session is not None else "",
+            reader_record=0 if client.session is not None else -1, epoch=self.index.epoch,
             has_tiers=self.lookups.tiers is not None)
+
+    def _supersede_session(self, client: ClientState, old_path: str) -> None:
+        """The same engine re-attached: its earlier session releases what it held now, not
+        after its lease (its grants revoked and quarantined while its workers may copy).
+        Named by its session file's path, which only that engine was told."""
+        old = next((c for c in self.leases.clients.values() if c is not client
+                    and c.session is not None and str(c.session.path) == old_path), None)
+        if old is None:
+            return
+        released = self._release_client(old)
+        self.leases.remove(old)
+        self.totals["sessions_superseded"] += 1
+        log.info("engine %r re-attached: its earlier session released %d pins and stores",
+                 client.name, released)
 
     def heartbeat(self, client: ClientState, msg: p.Heartbeat) -> p.Ack:
         return p.Ack(rid=msg.rid)

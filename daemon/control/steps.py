@@ -183,13 +183,13 @@ class StepHandler:
                 reply.not_found.append(key)
 
     def release_client(self, client: ClientState, fence_s: float) -> int:
-        """A departed client's reservation goes back, fenced: its workers may still write."""
+        """A departed client's reservation goes back, revoked: its workers may still write
+        (quarantined while they hold its session's lock, else fenced for ``fence_s``)."""
+        writers = client.session if client.writer_lock else None
         for slot in client.reserved:
-            self.index.unreserve(slot, fence_s)
+            self.index.unreserve(slot, fence_s, writers)
         n = len(client.reserved)
         client.reserved.clear()
         if client.reads_index:
             self.index.reclaimer.remove_reader(client.identity)
-            if self.index.shared is not None and client.reader_record >= 0:
-                self.index.shared.clear_reader(client.reader_record)
         return n

@@ -28,7 +28,6 @@ class ServiceUpkeep:
     daemon_id: str
     http_url: str
     _pending_owner: dict[int, ClientState]
-    _free_records: list[int]
 
     # -- housekeeping -----------------------------------------------------------------
 
@@ -57,22 +56,26 @@ class ServiceUpkeep:
                 self.index.unpin(slot)
             released += n
         client.pins.clear()
-        # Its workers may still be writing what it held: those slots wait a lease before reuse.
+        # Its workers may still be writing what it held: those slots get a new generation and
+        # are quarantined until its writers' lock is free (a client that takes the lock), or
+        # wait a lease before reuse (one that does not, unless it said goodbye).
         fence_s = client.lease_ms / 1000 if fence else 0.0
+        writers = client.session if client.writer_lock else None
         for slot in list(client.pending):
             key = self.index.slot_key[slot]
             if key is not None and self.index.state[slot] == SlotState.PENDING:
                 self.index.abort(self.index.namespaces[self.index.ns_of[slot]], key,
-                                 fence_s=fence_s)
+                                 fence_s=fence_s, writers=writers)
                 released += 1
             self._pending_owner.pop(slot, None)
         client.pending.clear()
-        record = client.reader_record
         released += self.steps.release_client(client, fence_s)
-        if record >= 0:
-            self._free_records.append(record)
-            client.reader_record = -1
-            client.reads_index = False
+        session, client.session = client.session, None
+        client.reads_index = False
+        if session is not None:
+            session.unlink()  # nobody opens it any more; an open descriptor still locks it
+            if not self.index.reclaimer.holds(session):
+                session.close()
         self.index.reclaim()
         self._update_pool_gauges()
         return released

@@ -24,7 +24,7 @@ from kvoffload.daemon.base import Geometry, KeyStatus
 from kvoffload.daemon.store import shared_index as si
 from kvoffload.daemon.store.eviction import EvictionPolicy, make_policy
 from kvoffload.daemon.store.pool import Pool
-from kvoffload.daemon.store.reclaim import Reclaimer
+from kvoffload.daemon.store.reclaim import Reclaimer, Writers
 from kvoffload.daemon.store.slot_arrays import SlotTable
 from kvoffload.daemon.store.slot_states import (  # noqa: F401 - re-exported: callers use index.X
     _SHARED_STATE,
@@ -68,7 +68,6 @@ class BlockIndex(SlotTable):
         if self._share is not None:
             self.shared = si.SharedIndexWriter(self._share[0], self.pool.num_slots,
                                                self._share[1])
-            self.reclaimer.read_record = self.shared.read_reader
 
     @property
     def epoch(self) -> int:
@@ -140,8 +139,26 @@ class BlockIndex(SlotTable):
                 evicted.append(self._forget(victim))
             slot = self.pool.alloc()
         if slot is not None:
-            self.gen[slot] += 1  # a new writer: old readers' copies of it now fail their check
+            self._bump(slot)  # a new writer: old readers' copies of it now fail their check
         return slot
+
+    def _bump(self, slot: int) -> None:
+        self.gen[slot] = (self.gen[slot] + 1) & si.GEN_MASK
+
+    def _revoke(self, slot: int, fence_s: float, writers: Writers | None) -> bool:
+        """A grant taken back while its writer may still copy into it: a new generation at
+        once (its late commits are refused, its workers' pre-checks fail), then held back --
+        quarantined until ``writers`` are gone, else fenced for ``fence_s``. False: no hold."""
+        if writers is None and fence_s <= 0:
+            return False
+        self._bump(slot)
+        self.state[slot] = SlotState.RETIRED
+        self.publish(slot)
+        if writers is not None:
+            self.reclaimer.quarantine(writers, [slot])
+        else:
+            self.reclaimer.fence(slot, fence_s)
+        return True
 
     def prepare(self, ns: Namespace, key: bytes, end_token: int, tail: bool,
                 owner: int = 0) -> Prepared:
@@ -209,16 +226,15 @@ class BlockIndex(SlotTable):
         self._occupy(ns, key, slot, SlotState.PENDING, end_token, tail, owner)
         return True
 
-    def unreserve(self, slot: int, fence_s: float = 0.0) -> None:
-        """Give back a reserved slot; ``fence_s``: its writer may still be writing it."""
+    def unreserve(self, slot: int, fence_s: float = 0.0,
+                  writers: Writers | None = None) -> None:
+        """Give back a reserved slot; ``fence_s`` / ``writers``: its writer may still be
+        writing it (``_revoke``)."""
         if self.state[slot] != SlotState.RESERVED:
             return
         self.reserved_by.pop(slot, None)
-        self.state[slot] = SlotState.FREE
-        if fence_s > 0:
-            self.state[slot] = SlotState.RETIRED
-            self.reclaimer.fence(slot, fence_s)
-        else:
+        if not self._revoke(slot, fence_s, writers):
+            self.state[slot] = SlotState.FREE
             self.pool.free(slot)
 
     def _occupy(self, ns: Namespace, key: bytes, slot: int, state: SlotState, end_token: int,
@@ -256,18 +272,19 @@ class BlockIndex(SlotTable):
 
         No listeners run: the journal already holds it and nothing was published this run.
         """
-        self.gen[slot] += 1
+        self._bump(slot)
         self._occupy(ns, key, slot, SlotState.READY, end_token, tail)
         self.policy.on_insert(slot)
 
-    def abort(self, ns: Namespace, key: bytes, fence_s: float = 0.0) -> bool:
+    def abort(self, ns: Namespace, key: bytes, fence_s: float = 0.0,
+              writers: Writers | None = None) -> bool:
         slot = ns.keys.get(key)
         if slot is None or self.state[slot] != SlotState.PENDING:
             return False
         for listener in self.on_abort:
             listener(ns, key, slot)
         # Nobody loads a PENDING block, so only a writer that may still be at work delays reuse.
-        self._release_slot(ns, key, slot, fence_s=fence_s)
+        self._release_slot(ns, key, slot, fence_s=fence_s, writers=writers)
         self._resolve(slot, False)
         return True
 
@@ -329,7 +346,8 @@ class BlockIndex(SlotTable):
             self._free(slot)
         return len(freed)
 
-    def _release_slot(self, ns: Namespace, key: bytes, slot: int, fence_s: float = 0.0) -> None:
+    def _release_slot(self, ns: Namespace, key: bytes, slot: int, fence_s: float = 0.0,
+                      writers: Writers | None = None) -> None:
         del ns.keys[key]
         was_ready = self.state[slot] == SlotState.READY
         if was_ready:
@@ -339,17 +357,17 @@ class BlockIndex(SlotTable):
         self.slot_key[slot] = None
         # Readers may hold this slot as a HIT until they apply the change published now.
         retire = was_ready and bool(self.reclaimer.readers)
-        self.state[slot] = SlotState.RETIRED if retire or fence_s > 0 else SlotState.FREE
-        self.publish(slot)
         if retire:
+            self.state[slot] = SlotState.RETIRED
+            self.publish(slot)
             self.reclaimer.retire(slot, self.epoch)
             return  # pins (and their count) stay until the loads that hold them complete
         if self.pins[slot]:
             self.n_pinned -= 1
         self.pins[slot] = 0
-        if fence_s > 0:
-            self.reclaimer.fence(slot, fence_s)
-        else:
+        if not self._revoke(slot, fence_s, writers):
+            self.state[slot] = SlotState.FREE
+            self.publish(slot)
             self.pool.free(slot)
 
     def _forget(self, slot: int) -> tuple[Namespace, bytes, int]:

@@ -20,10 +20,22 @@ A reader's hold comes from two sources, combined per reader (``floor``):
   manager has no decision in flight and re-reads the index before the next one. So an idle
   engine never holds freed slots back.
 
-A reader whose lease ends stops holding anything; a stalled one holds retired slots for at most
-its lease, and a worker of it that copies later fails its generation check instead of reading
-another block's bytes. Slots taken from a departed writer (reserved or pending at its lease
-end) wait one more lease (``fence``) before reuse: its workers may still be writing them.
+A reader holds slots for a short bound only (``hold_s``, default 0.25 s: a few scheduler
+steps): loads are proved by the workers' post-copy check, so a reader that stays busy at an old
+epoch -- frozen, stuck, or lying in its record -- is passed over once it has blocked the oldest
+retired slot for that long; its retired slots are reclaimed, and its late loads fail cleanly and
+recompute. One frozen engine never stalls every engine's stores.
+
+**Revoked grants** (reserved or pending slots of a departed client) get a new generation at
+once (its late commits are refused, its workers' pre-checks fail) and are *quarantined*: a
+client whose workers hold its session file's lock (``session_file.py``) gets them back into the
+free list only once ``writers_gone()`` -- no copy into them can still run; a client without
+that lock (a non-vLLM client copying in its own process) waits one lease (``fence``).
+
+**Ordering.** The reader marks its record busy, then (full fence) reads the index; the daemon
+publishes a retirement, then (full fence, in ``floor``) reads the records. So either the daemon
+sees the reader busy at an epoch before the retirement, or the reader's view already lacks the
+key (Dekker's pattern; docs/architecture.md, "Memory ordering").
 """
 
 from __future__ import annotations
@@ -31,33 +43,53 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
+
+from kvoffload.daemon.store import fence
+
+HOLD_S = 0.25  # longest a reader's view may hold a retired slot back
+QUARANTINE_CHECK_S = 0.02  # how often a quarantine's lock is tried (a system call each)
+
+
+class Writers(Protocol):
+    """Who may still write a quarantined slot (``session_file.SessionFile``)."""
+
+    def writers_gone(self) -> bool: ...
+
+    def read(self) -> tuple[int, int, int] | None: ...
+
+    def close(self, *, remove: bool = True) -> None: ...
 
 
 class Reader:
-    __slots__ = ("record", "processed", "epoch")
+    __slots__ = ("record", "processed", "epoch", "blocking_since")
 
-    def __init__(self, record: int, epoch: int) -> None:
-        self.record = record  # its record in the readers file, -1 for none
+    def __init__(self, record: Writers | None, epoch: int) -> None:
+        self.record = record  # its session file (reader record), None for none
         self.processed = 0  # its messages the daemon has handled (Step count)
         self.epoch = epoch  # epoch of its last handled Step (or its registration)
-
-
-# (busy, epoch, messages sent) of a record, or None when unreadable.
-RecordReader = Callable[[int], "tuple[int, int, int] | None"]
+        self.blocking_since: float | None = None  # since when it holds the oldest retired slot
 
 
 class Reclaimer:
-    def __init__(self) -> None:
+    def __init__(self, hold_s: float = HOLD_S) -> None:
+        self.hold_s = hold_s
         self.readers: dict[bytes, Reader] = {}  # client identity -> its hold
-        self.read_record: RecordReader = lambda record: None
         self._retired: deque[tuple[int, int]] = deque()  # (epoch, slot), epochs ascending
         self._fenced: list[tuple[float, int]] = []  # (reusable after, slot)
+        self._quarantined: list[tuple[Writers, list[int]]] = []
+        self._next_quarantine_check = 0.0
         self.held: set[int] = set()  # retired and past every reader, but still pinned
+        self.passed_over = 0  # times a reader was passed over for holding too long
 
     def __len__(self) -> int:
-        return len(self._retired) + len(self._fenced) + len(self.held)
+        return len(self._retired) + len(self._fenced) + len(self.held) + self.quarantined
 
-    def add_reader(self, identity: bytes, epoch: int, record: int = -1) -> None:
+    @property
+    def quarantined(self) -> int:
+        return sum(len(slots) for _, slots in self._quarantined)
+
+    def add_reader(self, identity: bytes, epoch: int, record: Writers | None = None) -> None:
         self.readers[identity] = Reader(record, epoch)
 
     def remove_reader(self, identity: bytes) -> Reader | None:
@@ -70,8 +102,9 @@ class Reclaimer:
             r.processed += 1
             r.epoch = max(r.epoch, epoch)
 
-    def _floor_of(self, r: Reader) -> int | None:
-        rec = self.read_record(r.record) if r.record >= 0 else None
+    @staticmethod
+    def _floor_of(r: Reader) -> int | None:
+        rec = r.record.read() if r.record is not None else None
         if rec is None:
             return r.epoch
         busy, epoch, sent = rec
@@ -80,15 +113,61 @@ class Reclaimer:
         return epoch if busy else None
 
     def floor(self) -> int | None:
-        """The oldest epoch some reader may still act on; None: nobody holds anything."""
-        floors = [f for f in map(self._floor_of, self.readers.values()) if f is not None]
-        return min(floors, default=None)
+        """The oldest epoch some reader may still act on; None: nobody holds anything.
+
+        A reader that has held the oldest retired slot back for ``hold_s`` is passed over."""
+        fence.full()  # our retirements are visible before we read any record
+        oldest = self._retired[0][0] if self._retired else None
+        now = time.monotonic()
+        low: int | None = None
+        for r in self.readers.values():
+            f = self._floor_of(r)
+            if f is None or oldest is None or f >= oldest:
+                r.blocking_since = None
+            elif r.blocking_since is None:
+                r.blocking_since = now
+            elif now - r.blocking_since > self.hold_s:
+                self.passed_over += 1
+                continue  # its late loads fail their generation check and recompute
+            if f is not None and (low is None or f < low):
+                low = f
+        return low
 
     def retire(self, slot: int, epoch: int) -> None:
         self._retired.append((epoch, slot))
 
     def fence(self, slot: int, seconds: float) -> None:
         self._fenced.append((time.monotonic() + seconds, slot))
+
+    def quarantine(self, writers: Writers, slots: list[int]) -> None:
+        """Revoked grants that ``writers`` may still be copying into: back once they are gone."""
+        if not slots:
+            return
+        if self._quarantined and self._quarantined[-1][0] is writers:
+            self._quarantined[-1][1].extend(slots)
+        else:
+            self._quarantined.append((writers, list(slots)))
+        self._next_quarantine_check = 0.0
+
+    def holds(self, writers: Writers) -> bool:
+        return any(w is writers for w, _ in self._quarantined)
+
+    def release_quarantine(self, force: bool = False) -> list[int]:
+        """Quarantined slots whose writers are gone (checked at most every 20 ms)."""
+        now = time.monotonic()
+        if not self._quarantined or (not force and now < self._next_quarantine_check):
+            return []
+        self._next_quarantine_check = now + QUARANTINE_CHECK_S
+        out: list[int] = []
+        keep = []
+        for writers, slots in self._quarantined:
+            if writers.writers_gone():
+                out.extend(slots)
+                writers.close()
+            else:
+                keep.append((writers, slots))
+        self._quarantined = keep
+        return out
 
     def reclaim(self, pinned: Callable[[int], bool]) -> list[int]:
         """Slots that no reader and no pin can still reach, in retirement order."""
@@ -100,6 +179,7 @@ class Reclaimer:
                 self.held.add(slot)
             else:
                 out.append(slot)
+        out.extend(self.release_quarantine())
         if self._fenced:
             now = time.monotonic()
             keep = []

@@ -5,8 +5,10 @@ vLLM's scheduler asks its offloading manager one key at a time, dozens of times 
 in-process scan. So the daemon, the single writer of its index, mirrors every slot's state into
 a file next to the pool, and each engine's manager keeps a local dict up to date from it:
 
-* a **slot table**: one 56-byte entry per pool slot (key, namespace, state, flags, generation),
-  written under a per-entry sequence lock (odd while being written), and
+* a **slot table**: one 64-byte entry (a cache line) per pool slot (key, namespace, state,
+  flags, and one aligned 8-byte *ident* word: the writer generation in its low half, a tag of
+  the key in its high half), written under a per-entry sequence lock (odd while being written;
+  the lock word is never zeroed or rewritten with the fields), and
 * a **change ring**: the slot number of every entry write, in order. Its write position
   (``head``) is the index **epoch**. A reader applies ``ring[applied:head]`` by re-reading those
   entries (one integer read when nothing changed); a reader that fell a whole ring behind
@@ -17,20 +19,22 @@ a few microseconds per key (hash, unpack, compare), a local dict ~50 ns, and vLL
 keys per 32k-token request. The ring costs one integer per change and the reader's dict the
 keys of its own namespace only.
 
-**Generations.** A slot's ``gen`` grows each time the slot is handed to a new writer. A worker
-that copied slot ``s`` expecting generation ``g`` checks ``gen[s] == g`` (and that no newer
-daemon superseded this file) after the copy: if the slot was handed on meanwhile, the bytes may
-be another block's and the load is reported as failed, never used.
+**Generations.** A slot's ``gen`` grows each time the slot is handed to a new writer, and when
+a grant is revoked. A worker that copied slot ``s`` expecting ident ``(g, tag(key))`` checks the
+ident word, one aligned 8-byte load that cannot tear, after the copy (and that no newer daemon
+superseded this file): if the slot was handed on meanwhile, the bytes may be another block's and
+the load is reported as failed, never used.
+
+**Ordering.** Entry writes: seq odd, store-store fence, fields, store-store fence, seq even,
+ring slot, store-store fence, head. Readers mirror it with load-load fences (``fence.py``; the
+argument is in docs/architecture.md, "Memory ordering").
 
 **Heartbeat.** The daemon stamps ``CLOCK_MONOTONIC`` (one clock for every process on the host)
 into the header several times a second; a reader that sees a stale stamp treats the daemon as
 down and answers MISS, without sending anything.
 
-**Readers.** Each engine's manager owns one record in a second file (``<index>.readers``,
-written by the engines, read by the daemon): the epoch it applied, whether it is inside a
-scheduler step (``busy``), and how many control messages it has sent. Between steps a manager
-is quiescent (it re-reads the index before its next decision), so an idle engine holds no
-freed slot back; ``reclaim.py`` says how the daemon combines records and messages.
+**Sessions.** Each index-reading engine session gets its own small file (``session_file.py``):
+its reader record (written by that engine alone) and the lock its writers hold while they copy.
 
 Layout (little-endian): a 4 KiB header, the table, then the ring of ``ring_capacity`` u32.
 """
@@ -43,7 +47,11 @@ import mmap
 import os
 import struct
 import time
+import zlib
 from pathlib import Path
+
+import numpy as np
+from kvoffload.daemon.store import fence
 
 log = logging.getLogger("kvoffload.daemon")
 
@@ -57,15 +65,15 @@ FLAGS_OFFSET = 12
 HEAD_OFFSET = 24
 HEARTBEAT_OFFSET = 32
 FLAG_SUPERSEDED = 1  # a newer daemon owns the pool now: nothing here may be trusted
-# seq (odd while written), gen, namespace, state, flags, key length, key
-ENTRY = struct.Struct("<IIHBBB3x40s")
-ENTRY_BYTES = ENTRY.size  # 56
+# seq (odd while written), namespace, state, flags, ident (gen | tag << 32), key length, key
+ENTRY = struct.Struct("<IHBBQB7x40s")
+ENTRY_BYTES = ENTRY.size  # 64: one cache line
+SEQ_WORD, IDENT_OFFSET = 0, 8  # offsets in an entry (4- and 8-byte aligned)
+_FIELDS = struct.Struct("<HBB")  # at entry + 4: never covers the sequence word
+_KEY = struct.Struct("<B7x40s")  # at entry + 16
 SEQ = struct.Struct("<I")
 U64 = struct.Struct("<Q")
-
-# One reader record: seq (odd while written), busy, epoch applied, control messages sent.
-READER = struct.Struct("<IIQQ8x")
-READER_BYTES = READER.size  # 32
+GEN_MASK = 0xFFFFFFFF
 
 # Entry states (what a reader acts on). FREE entries carry no key.
 FREE, PENDING, READY = 0, 1, 2
@@ -74,12 +82,18 @@ FLAG_TAIL = 1
 FLAG_NOT_WORTH = 2  # a tail that cannot repay its load under the namespace's time model
 
 
+def key_tag(key: bytes | None) -> int:
+    """32 bits of a key, never 0 for a key: the ident word binds a generation to its key."""
+    return (zlib.crc32(key) | 1) if key else 0
+
+
+def ident(gen: int, key: bytes | None) -> int:
+    """The ident word a worker checks: generation and key tag in one aligned 8-byte load."""
+    return (gen & GEN_MASK) | key_tag(key) << 32
+
+
 def index_path_for(pool_path: str | Path) -> Path:
     return Path(f"{pool_path}.index")
-
-
-def readers_path_for(index_path: str | Path) -> Path:
-    return Path(f"{index_path}.readers")
 
 
 def ring_capacity_for(num_slots: int) -> int:
@@ -127,8 +141,7 @@ def supersede(path: Path) -> bool:
 class SharedIndexWriter:
     """The daemon's side: creates the file and writes every slot change into it."""
 
-    def __init__(self, path: str | Path, num_slots: int, daemon_id: str,
-                 max_readers: int = 1024) -> None:
+    def __init__(self, path: str | Path, num_slots: int, daemon_id: str) -> None:
         self.path = Path(path)
         self.num_slots = num_slots
         self.ring_capacity = ring_capacity_for(num_slots)
@@ -136,26 +149,18 @@ class SharedIndexWriter:
         supersede(self.path)
         size = file_bytes(num_slots)
         # Readable by the engines (which run as other users in some deployments: the same
-        # rule as the pool file), written by the daemon alone.
+        # rule as the pool file), written by the daemon alone. O_EXCL|O_NOFOLLOW: a file or
+        # symlink planted at this path after ``supersede`` removed ours is refused, not used.
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
         finally:
             os.close(fd)
+        # Word views: one numpy item assignment is one aligned store of that width.
+        self._u32 = np.frombuffer(self._mm, dtype="<u4")
+        self._u64 = np.frombuffer(self._mm, dtype="<u8", count=size // 8)
         self.head = 0
-        # Reader records: engines map this file read-write (same user as the pool file).
-        self.max_readers = max_readers
-        self.readers_path = readers_path_for(self.path)
-        self.readers_path.unlink(missing_ok=True)
-        rfd = os.open(self.readers_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                      0o600)
-        try:
-            os.ftruncate(rfd, max_readers * READER_BYTES)
-            self._readers: mmap.mmap | None = mmap.mmap(rfd, max_readers * READER_BYTES,
-                                                        mmap.MAP_SHARED)
-        finally:
-            os.close(rfd)
         HEADER.pack_into(self._mm, 0, MAGIC, VERSION, 0, num_slots, self.ring_capacity, 0,
                          now_ns(), daemon_id.encode()[:32])
 
@@ -167,41 +172,30 @@ class SharedIndexWriter:
               key: bytes | None) -> None:
         """Publish one slot's new state, then append it to the ring (the epoch moves)."""
         mm, off = self._mm, HEADER_BYTES + slot * ENTRY_BYTES
-        (seq,) = SEQ.unpack_from(mm, off)
-        SEQ.pack_into(mm, off, (seq + 1) | 1)  # odd: readers retry
         k = key if key is not None and len(key) <= KEY_MAX else b""
-        ENTRY.pack_into(mm, off, (seq + 1) | 1, gen & 0xFFFFFFFF, ns, state, flags, len(k), k)
-        SEQ.pack_into(mm, off, ((seq + 1) | 1) + 1)  # even again: consistent
-        SEQ.pack_into(mm, self._ring_off + 4 * (self.head % self.ring_capacity), slot)
+        word = off // 4
+        seq = int(self._u32[word]) & ~1
+        self._u32[word] = (seq + 1) & GEN_MASK  # odd: readers retry
+        fence.store_store()  # the odd word is visible before any field changes
+        _FIELDS.pack_into(mm, off + 4, ns, state, flags)
+        self._u64[(off + IDENT_OFFSET) // 8] = ident(gen, k)
+        _KEY.pack_into(mm, off + 16, len(k), k)
+        fence.store_store()  # every field is visible before the word is even again
+        self._u32[word] = (seq + 2) & GEN_MASK
+        self._u32[(self._ring_off // 4) + self.head % self.ring_capacity] = slot
+        fence.store_store()  # the entry and its ring record before the head that covers them
         self.head += 1
-        U64.pack_into(mm, HEAD_OFFSET, self.head)
-
-    def read_reader(self, record: int) -> tuple[int, int, int] | None:
-        """(busy, epoch, messages sent) of one reader record; None while it is being written."""
-        if self._readers is None or not 0 <= record < self.max_readers:
-            return None
-        for _ in range(8):
-            seq, busy, epoch, sent = READER.unpack_from(self._readers, record * READER_BYTES)
-            if not seq & 1 and SEQ.unpack_from(self._readers, record * READER_BYTES)[0] == seq:
-                return busy, epoch, sent
-        return None
-
-    def clear_reader(self, record: int) -> None:
-        if self._readers is not None and 0 <= record < self.max_readers:
-            READER.pack_into(self._readers, record * READER_BYTES, 0, 0, 0, 0)
+        self._u64[HEAD_OFFSET // 8] = self.head
 
     def heartbeat(self) -> None:
-        U64.pack_into(self._mm, HEARTBEAT_OFFSET, now_ns())
+        self._u64[HEARTBEAT_OFFSET // 8] = now_ns()
 
     def close(self, *, remove: bool = True) -> None:
         with contextlib.suppress(ValueError, OSError):
             (flags,) = SEQ.unpack_from(self._mm, FLAGS_OFFSET)
             # Readers must stop trusting it: no daemon answers for these slots any more.
             SEQ.pack_into(self._mm, FLAGS_OFFSET, flags | FLAG_SUPERSEDED)
+            del self._u32, self._u64
             self._mm.close()
-            if self._readers is not None:
-                self._readers.close()
-                self._readers = None
         if remove:
             self.path.unlink(missing_ok=True)
-            self.readers_path.unlink(missing_ok=True)

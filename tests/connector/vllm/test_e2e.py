@@ -97,6 +97,13 @@ def test_daemon_killed_and_restarted(daemon: DaemonHandle) -> None:
     assert manager.counters["stores_skipped_offline"] > 0
 
     daemon.start()  # started without a state dir, it may come back empty: then the next
+    # The engine re-attaches on a background thread (its steps never wait for it): idle
+    # steps pick the new session up.
+    deadline = time.monotonic() + 30
+    while not manager.session.attached and time.monotonic() < deadline:
+        e.step()
+        time.sleep(0.01)
+    assert manager.session.attached
     fresh_gpu(e)    # request stores again ...
     assert serve(e, prompt, "c") in (2, 30)
     fresh_gpu(e)

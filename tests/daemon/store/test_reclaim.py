@@ -6,9 +6,11 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from kvoffload.connector.session import ReaderRecord
 from kvoffload.daemon.base import Geometry, GroupKind, GroupSpec
 from kvoffload.daemon.store.index import BlockIndex, SlotState
 from kvoffload.daemon.store.pool import Pool
+from kvoffload.daemon.store.session_file import SessionFile
 
 GEO = Geometry(namespace="t", groups=(GroupSpec(GroupKind.FULL_ATTENTION, 16, 64),),
                tokens_per_hash=16)
@@ -52,10 +54,9 @@ def test_without_readers_a_freed_slot_is_reused_at_once(index: BlockIndex) -> No
 def test_a_busy_reader_holds_what_it_may_still_see(index: BlockIndex) -> None:
     assert index.shared is not None
     slots = _fill(index, 4)
-    index.reclaimer.add_reader(b"engine", index.epoch, record=0)
-    from kvoffload.connector.session import ReaderRecord
-
-    record = ReaderRecord(str(index.shared.readers_path), 0)
+    session = SessionFile(index.shared.path)
+    index.reclaimer.add_reader(b"engine", index.epoch, session)
+    record = ReaderRecord(str(session.path))
     record.write(True, index.epoch, 0)
     ns = index.namespace(GEO)
     got = index.prepare(ns, _key(9), 16, False)
@@ -71,15 +72,15 @@ def test_a_busy_reader_holds_what_it_may_still_see(index: BlockIndex) -> None:
     assert index.prepare(ns, _key(9), 16, False).slot == victim
     assert index.gen[victim] == gen + 1  # a new writer: the old generation no longer checks
     record.close()
+    session.close()
 
 
 def test_an_idle_reader_holds_nothing_but_unhandled_messages_do(index: BlockIndex) -> None:
     assert index.shared is not None
-    from kvoffload.connector.session import ReaderRecord
-
     _fill(index, 4)
-    index.reclaimer.add_reader(b"engine", index.epoch, record=0)
-    record = ReaderRecord(str(index.shared.readers_path), 0)
+    session = SessionFile(index.shared.path)
+    index.reclaimer.add_reader(b"engine", index.epoch, session)
+    record = ReaderRecord(str(session.path))
     record.write(False, index.epoch, 1)  # between steps, one message still on its way
     ns = index.namespace(GEO)
     assert index.prepare(ns, _key(9), 16, False).slot is None  # its pins may be in it
@@ -87,6 +88,7 @@ def test_an_idle_reader_holds_nothing_but_unhandled_messages_do(index: BlockInde
     index.reclaim()
     assert index.prepare(ns, _key(9), 16, False).slot is not None
     record.close()
+    session.close()
 
 
 def test_a_departed_writers_slots_are_fenced(index: BlockIndex) -> None:

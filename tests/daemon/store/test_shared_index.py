@@ -11,13 +11,19 @@ import pytest
 from kvoffload.connector.index_view import IndexGone, IndexView, SlotGenerations
 from kvoffload.connector.session import ReaderRecord
 from kvoffload.daemon.store import shared_index as si
+from kvoffload.daemon.store.session_file import SessionFile, session_glob
+
+
+def _id(gen: int, i: int) -> int:
+    return si.ident(gen, _key(i))
 
 
 @pytest.fixture
 def path() -> Iterator[Path]:
     p = Path(f"/dev/shm/kvoffload-test-idx-{uuid.uuid4().hex[:10]}")
     yield p
-    for q in (p, si.readers_path_for(p)):
+    p.unlink(missing_ok=True)
+    for q in p.parent.glob(session_glob(p)):
         q.unlink(missing_ok=True)
 
 
@@ -35,12 +41,13 @@ def test_view_follows_writes_of_its_namespace_only(path: Path) -> None:
     w.write(3, 1, 0, si.READY, si.FLAG_TAIL | si.FLAG_NOT_WORTH, _key(1))
     w.write(5, 7, 0, si.READY, 0, _key(3))
     assert view.refresh() == 2
-    assert view.ready == {_key(1): (3, 1), _key(3): (5, 7)} and view.pending == set()
+    assert view.ready == {_key(1): (3, _id(1, 1)), _key(3): (5, _id(7, 3))}
+    assert view.pending == set()
     assert view.not_worth == {_key(1)}
     w.write(3, 1, 0, si.FREE, 0, None)  # evicted
     w.write(6, 2, 0, si.PENDING, 0, _key(1))  # and stored again elsewhere
     view.refresh()
-    assert view.ready == {_key(3): (5, 7)} and view.pending == {_key(1)}
+    assert view.ready == {_key(3): (5, _id(7, 3))} and view.pending == {_key(1)}
     assert view.slot_of(_key(1)) == 6 and view.applied == w.head
     w.close()
 
@@ -53,7 +60,7 @@ def test_a_reader_a_whole_ring_behind_rescans_the_table(path: Path) -> None:
         w.write(i % 16, i, 0, si.READY, 0, _key(i))
     view.refresh()
     assert view.rescans == 2  # at attach, and now
-    assert view.ready == {_key(i): (i % 16, i) for i in range(cap + 5 - 16, cap + 5)}
+    assert view.ready == {_key(i): (i % 16, _id(i, i)) for i in range(cap + 5 - 16, cap + 5)}
     w.close()
 
 
@@ -61,11 +68,16 @@ def test_generations_and_supersession(path: Path) -> None:
     w = si.SharedIndexWriter(path, 8, "d1")
     w.write(2, 5, 0, si.READY, 0, _key(1))
     gens = SlotGenerations(path, "d1")
-    assert gens.intact(2, 5) and not gens.intact(2, 4) and not gens.intact(99, 5)
+    assert gens.intact(2, _id(5, 1)) and not gens.intact(2, _id(4, 1))
+    assert not gens.intact(99, _id(5, 1))
+    # The same generation with another key's tag is not the block the engine saw ...
+    assert not gens.intact(2, _id(5, 2))
+    # ... though a store (its key not claimed yet) checks the generation half only.
+    assert gens.intact(2, 5, key_bound=False)
     with pytest.raises(IndexGone):
         IndexView(path, 0, "another-daemon")
     assert si.supersede(path)  # a new daemon takes the pool over
-    assert not gens.intact(2, 5) and not path.exists()
+    assert not gens.intact(2, _id(5, 1)) and not path.exists()
     gens.close()
     w.close(remove=False)
 
@@ -78,7 +90,9 @@ def test_generations_of_many_slots_at_once_agree_with_one_by_one(path: Path) -> 
         w.write(slot, (slot * 7) % 5 + (1 << 32 if slot == 3 else 0), 0, si.READY, 0, _key(slot))
     gens = SlotGenerations(path, "d1")
     slots = np.array([0, 3, 5, 15, 16, -1, 7, 3], dtype=np.int64)
-    asked = np.array([0, 1, 0, 0, 0, 0, 3, 2], dtype=np.int64)  # slot 3 wrapped: gen 1
+    gen_of = [0, 1, 0, 0, 0, 0, 3, 2]  # slot 3 wrapped: gen 1
+    asked = np.array([si.ident(g, _key(max(0, int(s)))) for s, g in zip(slots, gen_of, strict=True)],
+                     dtype=np.uint64)
     want = [gens.intact(int(s), int(g)) for s, g in zip(slots, asked, strict=True)]
     assert want == [True, True, True, True, False, False, False, False]
     assert gens.intact_mask(slots, asked).tolist() == want
@@ -88,21 +102,32 @@ def test_generations_of_many_slots_at_once_agree_with_one_by_one(path: Path) -> 
     w.close(remove=False)
 
 
-def test_shared_memory_per_block_stays_under_64_bytes(path: Path) -> None:
+def test_shared_memory_per_block_stays_under_72_bytes(path: Path) -> None:
     slots = 100_000
     w = si.SharedIndexWriter(path, slots, "d1")
-    assert os.stat(path).st_size / slots <= 64  # table entry + ring entry + header share
+    # A cache-line entry (64) + a ring entry (4) + the header's share.
+    assert os.stat(path).st_size / slots <= 72
     w.close()
 
 
-def test_reader_records_round_trip(path: Path) -> None:
-    w = si.SharedIndexWriter(path, 8, "d1", max_readers=4)
-    record = ReaderRecord(str(w.readers_path), 2)
+def test_session_file_records_round_trip(path: Path) -> None:
+    w = si.SharedIndexWriter(path, 8, "d1")
+    session = SessionFile(path)
+    assert session.path.name.startswith(path.name + ".s-")
+    assert session.path.stat().st_mode & 0o777 == 0o600
+    record = ReaderRecord(str(session.path))
+    assert session.read() == (0, 0, 0) and session.heartbeat_ns() == 0
     record.write(True, 17, 3)
-    assert w.read_reader(2) == (1, 17, 3) and w.read_reader(1) == (0, 0, 0)
+    assert session.read() == (1, 17, 3)
     record.write(False, 20, 4)
-    assert w.read_reader(2) == (0, 20, 4)
+    record.stamp()
+    assert session.read() == (0, 20, 4) and 0 < session.heartbeat_ns() <= si.now_ns()
     with pytest.raises(IndexGone):
-        ReaderRecord(str(w.readers_path), 4)
+        ReaderRecord(str(session.path), 4)  # one record per file
+    other = SessionFile(path)  # every session gets its own file, never a reused record
+    assert other.path != session.path and other.read() == (0, 0, 0)
     record.close()
+    for f in (session, other):
+        f.close()
+        assert not f.path.exists()
     w.close()

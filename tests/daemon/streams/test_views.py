@@ -88,7 +88,7 @@ def test_register_with_a_rank_opens_that_engines_view(tmp_path: Path) -> None:
             other3 = events_of(wait_log(d, 3, "e1"), stored)
             # The plugin's session sends its rank; a late view first announces what is resident.
             session = IndexSession(d.control, GEOM, instance="e2", data_parallel_rank=5)
-            assert session._attach(), d.log()
+            assert session.start(10), d.log()
             got5 = events_of(wait_log(d, 5, "e2"), stored)
             session.client.close()
         finally:
