@@ -58,10 +58,6 @@ from prometheus_client import Gauge
 
 log = logging.getLogger("kvoffload.daemon")
 
-# Frames queued per client before libzmq stops reading from it (see _bind).
-RCVHWM_FRAMES = 8
-
-
 class Server(ControlFrames, ServerStartup):
     def __init__(self, config: Config, ready_file: str | None = None) -> None:
         self.config = config
@@ -162,33 +158,6 @@ class Server(ControlFrames, ServerStartup):
                "hub": ev.hub.bound_endpoint if ev.hub else None,
                "hub_replay": ev.hub.bound_replay_endpoint if ev.hub else None}
         return {"endpoints": {k: v for k, v in eps.items() if v}}
-
-    def _bind(self) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # Hard cap above the typed-error limit (frames between the two get ``too_large``): a
-        # peer sending more is disconnected by libzmq before the frame is buffered whole.
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
-        # Unread frames per client: RCVHWM x MAXMSGSIZE bounds the bytes one client can make
-        # the daemon hold; beyond it libzmq stops reading that peer (back-pressure).
-        sock.setsockopt(zmq.RCVHWM, RCVHWM_FRAMES)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if self.curve is not None:
-            self.curve.configure(sock)  # before bind: CURVE server + ZAP allow-list
-        old = os.umask(0o177)  # ipc sockets are created 0600 (0o077 gave 0700)
-        try:
-            sock.bind(self.config.control)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise StartupError(f"cannot bind control endpoint {self.config.control}: "
-                               f"{exc}") from None
-        finally:
-            os.umask(old)
-        self.control_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if self.config.control.startswith("ipc://"):
-            # A socket file takes the mode 0777 & ~umask = 0700; only read/write matter.
-            os.chmod(self.config.control[len("ipc://"):], 0o600)
-        self._sock = sock
 
     async def start(self) -> None:
         self._lock_ipc()

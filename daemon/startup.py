@@ -1,5 +1,5 @@
-"""Start-up steps of ``server.Server``: the control path's lock, warm restart from the state
-dir (or a loud cold start), the ready file.
+"""Start-up steps of ``server.Server``: the control path's lock, the control socket's bind,
+warm restart from the state dir (or a loud cold start), the ready file.
 
 A mixin of ``server.Server`` (split out to keep each module readable).
 """
@@ -12,7 +12,10 @@ import logging
 import os
 from pathlib import Path
 
+import zmq
+import zmq.asyncio
 from kvoffload.daemon.config import Config
+from kvoffload.daemon.control.security import CurveGuard
 from kvoffload.daemon.control.service import Service
 from kvoffload.daemon.ops.http import HttpServer
 from kvoffload.daemon.ops.metrics import DaemonMetrics
@@ -24,6 +27,9 @@ from kvoffload.daemon.streams.publish import DaemonEvents
 from prometheus_client import Gauge
 
 log = logging.getLogger("kvoffload.daemon")
+
+# Frames queued per client before libzmq stops reading from it (see _bind).
+RCVHWM_FRAMES = 8
 
 
 class StartupError(StartFault):
@@ -44,6 +50,9 @@ class ServerStartup:
     state_dir_faulty: Gauge
     control_endpoint: str
     _lock_fd: int | None
+    _ctx: zmq.asyncio.Context
+    _sock: zmq.asyncio.Socket | None
+    curve: CurveGuard | None
 
     def _lock_ipc(self) -> None:
         """ZMQ silently takes over an ipc path in use; a lock file makes a 2nd start fail.
@@ -61,6 +70,33 @@ class ServerStartup:
             raise StartupError(f"control {self.config.control} is in use by {holder} (another "
                                "kvoffload daemon): stop it or choose another --control") from None
         self._lock_fd = fd
+
+    def _bind(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Hard cap above the typed-error limit (frames between the two get ``too_large``): a
+        # peer sending more is disconnected by libzmq before the frame is buffered whole.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
+        # Unread frames per client: RCVHWM x MAXMSGSIZE bounds the bytes one client can make
+        # the daemon hold; beyond it libzmq stops reading that peer (back-pressure).
+        sock.setsockopt(zmq.RCVHWM, RCVHWM_FRAMES)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if self.curve is not None:
+            self.curve.configure(sock)  # before bind: CURVE server + ZAP allow-list
+        old = os.umask(0o177)  # ipc sockets are created 0600 (0o077 gave 0700)
+        try:
+            sock.bind(self.config.control)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise StartupError(f"cannot bind control endpoint {self.config.control}: "
+                               f"{exc}") from None
+        finally:
+            os.umask(old)
+        self.control_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.config.control.startswith("ipc://"):
+            # A socket file takes the mode 0777 & ~umask = 0700; only read/write matter.
+            os.chmod(self.config.control[len("ipc://"):], 0o600)
+        self._sock = sock
 
     def _recover(self, state_dir: Path) -> None:
         """Warm restart from the state dir, or a cold start when it cannot be used
