@@ -107,6 +107,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "info"
     policy: str = "lru"
     lease_ms: int = 10_000
+    # SIGTERM waits at most this long for pinned loads to finish before the index is
+    # superseded (which fails loads still copying); 0: do not wait.
+    drain_ms: int = 5_000
     max_message_bytes: int = 64 << 20
     max_keys_per_request: int = 1 << 16
     max_clients: int = 1024

@@ -1,8 +1,9 @@
 """The daemon's lifecycle: start -> ready -> serve -> drain -> stop.
 
 ``Server`` owns the edges (the control ROUTER socket, the HTTP server, the pool mapping, the
-lease sweeper); ``Service`` owns the state. ``run`` wires signals: SIGTERM or SIGINT stops
-accepting new work, answers what is in flight, flushes and exits 0.
+lease sweeper); ``Service`` owns the state. ``run`` wires signals: SIGTERM or SIGINT drains
+(no new reservations, pins or stores; loads in flight finish, up to ``drain_ms``), then shuts
+down (answers what is in flight, supersedes the index, flushes) and exits 0.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ class Server(ControlFrames, ServerStartup):
         self._tasks: set[asyncio.Task[Any]] = set()  # replies still being worked out
         self._loops: list[asyncio.Task[Any]] = []  # the receive loop and the lease sweeper
         self._stopping = asyncio.Event()
+        self.stop_requests = 0
         self.accepting = False
         self.control_endpoint = config.control
         self.notifier = Notifier.from_env()
@@ -228,7 +230,9 @@ class Server(ControlFrames, ServerStartup):
             if shared is not None:
                 shared.heartbeat()
                 self.index.reclaim()
-                if ahead := self.index.keep_free():
+                # Not while draining: nothing new will be stored, and an eviction now only
+                # loses a block a warm restart would have kept.
+                if not self.service.draining and (ahead := self.index.keep_free()):
                     self.metrics.evictions.labels(self.index.policy.name, "capacity").inc(ahead)
                     self.service._update_pool_gauges()
             await asyncio.sleep(0.1)
@@ -266,19 +270,50 @@ class Server(ControlFrames, ServerStartup):
     # -- stop -------------------------------------------------------------------------
 
     def request_stop(self) -> None:
+        self.stop_requests += 1  # a second signal cuts the drain short
         self._stopping.set()
 
     async def wait_stopped(self) -> None:
         await self._stopping.wait()
 
-    async def shutdown(self) -> None:
-        """Stop accepting, answer parked lookups, close sockets, unmap and unlock."""
-        self.accepting = False
+    def _stop_granting(self) -> None:
+        if self.service.draining:
+            return  # drain() did it already
+        self.accepting = False  # /readyz: 503 from now on
         self.notifier.stopping()
-        self.notifier.stop_watchdog()
-        self.service.draining = True
+        self.service.draining = True  # only commits, load completions, heartbeats, goodbyes
         self.service.lookups.stop_waiting()  # parked lookups answer now, even on pending keys
         self.index.cancel_waiters()  # parked lookups re-run and answer now
+
+    async def drain(self) -> None:
+        """Before ``shutdown``: stop granting, then wait until no slot is pinned (the loads in
+        flight completed, or their clients' leases ended), ``drain_ms`` passed, or another
+        SIGTERM/SIGINT came (an operator who means "now").
+
+        Shutdown marks the index superseded, and every worker checks that flag after its copy:
+        superseding at once would fail loads whose bytes are intact. The sockets, the lease
+        sweeper and the heartbeat keep running meanwhile, so completions arrive and dead
+        clients' pins go."""
+        self._stop_granting()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0, self.config.drain_ms) / 1000
+        signals = self.stop_requests
+        if self.index.n_pinned:
+            log.info("draining: %d slots pinned by loads in flight; waiting up to %d ms",
+                     self.index.n_pinned, self.config.drain_ms)
+        # Polled: pins drop in the index (a CompleteLoad, a Step's releases, a lease that
+        # ends) with nothing to await; 10 ms is short next to the bound and costs nothing.
+        while (self.index.n_pinned and loop.time() < deadline
+               and self.stop_requests <= signals):
+            await asyncio.sleep(0.01)
+        if self.index.n_pinned:
+            log.warning("drain ended (%s) with slots still pinned (%d): loads still copying "
+                        "them will fail", "another signal" if self.stop_requests > signals
+                        else f"drain_ms {self.config.drain_ms} passed", self.index.n_pinned)
+
+    async def shutdown(self) -> None:
+        """Stop accepting, answer parked lookups, close sockets, unmap and unlock."""
+        self._stop_granting()
         self.loop_lag.stop()
         await asyncio.sleep(0)
         if self._tasks:
@@ -300,9 +335,9 @@ class Server(ControlFrames, ServerStartup):
         if self.journal is not None:  # drain and snapshot before the pool is unmapped
             await asyncio.get_running_loop().run_in_executor(None, self.journal.close)
             self.journal = None
-        # Without a state dir nothing can reuse the pool file: give its memory back.
         if self.index.shared is not None:  # engines stop trusting it before the pool goes
             self.index.shared.close()
+        # Without a state dir nothing can reuse the pool file: give its memory back.
         self.pool.close(remove=self.config.state_dir is None)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -322,6 +357,7 @@ async def serve(config: Config, ready_file: str | None = None) -> Server:
         await server.start()
         await server.wait_stopped()
         log.info("signal received: draining")
+        await server.drain()
     finally:
         await server.shutdown()
         for sig in (signal.SIGTERM, signal.SIGINT):
