@@ -141,6 +141,7 @@ class IndexSession:
         self._attaching: threading.Thread | None = None
         self._attached: _Attached | None = None  # the attach thread's result, once done
         self._stop = threading.Event()
+        self._kick = threading.Event()  # wakes the heartbeat thread (a new session, close)
         self._heartbeat = threading.Thread(target=self._beat, daemon=True,
                                            name="kvoffload-heartbeat")
         self._heartbeat.start()
@@ -265,13 +266,16 @@ class IndexSession:
 
     def _beat(self) -> None:
         """Stamp our heartbeat a few times per lease, whether vLLM steps or not."""
+        lease_s = 0.1  # until a Welcome says: short, so the first lease never runs out
         while not self._stop.is_set():
             record = self._record
             if record is not None:
                 record.stamp()
-            welcome = self.client.welcome
-            lease_s = (welcome.lease_ms if welcome is not None else 10_000) / 1000
-            self._stop.wait(max(0.02, min(1.0, lease_s / 4)))
+                welcome = self.client.welcome
+                if welcome is not None:
+                    lease_s = welcome.lease_ms / 1000
+            self._kick.wait(max(0.02, min(1.0, lease_s / 4)))
+            self._kick.clear()
 
     def _lost(self, why: str) -> None:
         if time.monotonic() >= self._offline_until:
@@ -442,6 +446,7 @@ class IndexSession:
     def close(self) -> None:
         """A clean goodbye: the daemon releases what this session holds at once."""
         self._stop.set()
+        self._kick.set()
         thread = self._attaching
         if thread is not None:
             thread.join(self.timeout_ms / 1000 + 1)

@@ -84,7 +84,9 @@ class DaemonHandle:
     def cleanup(self) -> None:
         self.kill()
         # A killed daemon leaves its pool and its shared index (and readers file) behind.
-        for path in (self.pool_path, f"{self.pool_path}.index", f"{self.pool_path}.index.readers"):
+        sessions = Path(self.pool_path).parent.glob(Path(self.pool_path).name + ".index.s-*")
+        for path in (self.pool_path, f"{self.pool_path}.index", f"{self.pool_path}.index.readers",
+                     *map(str, sessions)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 

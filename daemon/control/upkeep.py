@@ -45,6 +45,9 @@ class ServiceUpkeep:
         if gone:
             self.metrics.leases_expired.inc(len(gone))
             self.metrics.clients.set(len(self.leases))
+        if self.index.reclaimer.quarantined:  # writers may have gone since the last step
+            self.index.reclaim()
+        if gone or self.index.reclaimer.quarantined:
             self._update_pool_gauges()
         return len(gone)
 
@@ -87,6 +90,8 @@ class ServiceUpkeep:
         m.pool_slots.labels("ready").set(ready)
         m.pool_slots.labels("pending").set(pending)
         m.pool_slots.labels("free").set(pool.free_slots)
+        # Revoked grants whose writers may still copy (reclaim.py): back once they are gone.
+        m.pool_slots.labels("quarantined").set(idx.reclaimer.quarantined)
         m.pool_bytes.labels("total").set(pool.pool_bytes)
         m.pool_bytes.labels("used").set((ready + pending) * pool.slot_bytes)
         m.pool_bytes.labels("pending").set(pending * pool.slot_bytes)
@@ -101,5 +106,7 @@ class ServiceUpkeep:
             "slot_bytes": pool.slot_bytes, "free_slots": pool.free_slots,
             "ready": idx.count(SlotState.READY), "pending": idx.count(SlotState.PENDING),
             "pinned": idx.n_pinned, "policy": idx.policy.name, "http": self.http_url,
+            "quarantined": idx.reclaimer.quarantined,
+            "readers_passed_over": idx.reclaimer.passed_over,
             **self.totals,
         })

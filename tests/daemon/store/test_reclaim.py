@@ -99,3 +99,44 @@ def test_a_departed_writers_slots_are_fenced(index: BlockIndex) -> None:
     assert index.pool.free_slots == 2  # the two fenced slots are not back
     index.reclaim()
     assert index.pool.free_slots == 2
+
+
+def test_a_reader_stuck_at_an_old_epoch_is_passed_over_after_the_hold_bound(
+        index: BlockIndex) -> None:
+    """A frozen, stuck or lying reader holds retired slots for ``hold_s`` at most: then they
+    are reclaimed (its late loads fail their generation check) and stores go on."""
+    import time
+
+    assert index.shared is not None
+    index.reclaimer.hold_s = 0.2
+    _fill(index, 4)
+    session = SessionFile(index.shared.path)
+    index.reclaimer.add_reader(b"frozen", index.epoch, session)
+    record = ReaderRecord(str(session.path))
+    record.write(True, 0, 0)  # busy at epoch 0, forever
+    ns = index.namespace(GEO)
+    got = index.prepare(ns, _key(9), 16, False)
+    assert got.slot is None and len(got.evicted) == 1  # retired: the reader may still see it
+    assert index.prepare(ns, _key(9), 16, False).slot is None  # held within the bound
+    time.sleep(0.25)
+    got = index.prepare(ns, _key(9), 16, False)
+    assert got.slot is not None  # past the bound: reclaimed, another writer's now
+    assert index.reclaimer.passed_over >= 1
+    old = next(s for s in range(4) if index.slot_key[s] == _key(9))
+    assert not index.pin_generation(old, index.gen[old] - 1)  # the stuck reader's pin: lost
+    record.close()
+    session.close()
+
+
+def test_a_pin_of_a_slot_handed_to_another_writer_is_refused(index: BlockIndex) -> None:
+    slots = _fill(index, 4)
+    ns = index.namespace(GEO)
+    slot = slots[0]
+    gen = index.gen[slot]
+    assert index.pin_generation(slot, gen)
+    index.unpin(slot)
+    assert index.drop(ns, _key(0))  # no readers: freed at once ...
+    assert index.prepare(ns, _key(7), 16, False).slot == slot  # ... and reused
+    assert index.commit(ns, _key(7))  # READY again, another block's
+    assert not index.pin_generation(slot, gen)  # the old generation pins nothing
+    assert index.pins[slot] == 0

@@ -1,0 +1,154 @@
+"""Every guard that keeps bytes correct, removed one at a time: the suite must fail each time.
+
+A guard no test fails without is not a guard. Each mutant below removes one mechanism (a
+literal edit of one file, which must match exactly once) in a scratch copy of the checkout and
+runs the tests that cover it there; a mutant whose tests still pass *survived*, and this script
+exits 1. The copy is imported in place of the checkout through ``mutants/sitecustomize.py``
+(child processes too: the daemon, TP ranks). Run by CI after the suite:
+``bash scripts/mutants.sh`` (``-k NAME`` runs the mutants whose name contains NAME).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+VLLM = "tests/connector/vllm/"
+MUTANTS = [
+    Mutant("post-copy generation check removed", "connector/vllm/worker.py",
+           "ok = self._intact(self._pool, check[2], check[3])", "ok = True",
+           (VLLM + "test_frozen_engines.py::test_a_load_whose_slot_went_to_another_writer"
+            "_mid_copy_is_recomputed",)),
+    Mutant("store pre-check removed", "connector/vllm/worker.py",
+           "keep = placed & view.intact_mask(items[:, 2], gens, key_bound=False)",
+           "keep = placed",
+           (VLLM + "test_frozen_engines.py::test_a_frozen_writers_late_store_never_overwrites"
+            "_another_writers_block[submit]",)),
+    Mutant("worker takes no writers' lock", "connector/writer_lock.py",
+           "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)", "pass",
+           (VLLM + "test_frozen_engines.py::test_a_frozen_writers_late_store_never_overwrites"
+            "_another_writers_block[copy]",)),
+    Mutant("revoked grants not quarantined", "daemon/store/index.py",
+           "self.reclaimer.quarantine(writers, [slot])", "self.pool.free(slot)",
+           ("tests/daemon/control/test_quarantine.py",)),
+    Mutant("quarantine ends while a writer holds the lock", "daemon/store/session_file.py",
+           "fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", "pass",
+           ("tests/daemon/control/test_quarantine.py",)),
+    Mutant("revocation keeps the generation", "daemon/store/index.py",
+           "        self._bump(slot)\n        self.state[slot] = SlotState.RETIRED",
+           "        self.state[slot] = SlotState.RETIRED",
+           ("tests/daemon/control/test_quarantine.py",)),
+    Mutant("heartbeat does not renew the lease", "daemon/control/leases.py",
+           "if c.session is not None and now", "if False and now",
+           ("tests/daemon/control/test_quarantine.py::test_an_idle_engine_keeps_its_grants",)),
+    Mutant("re-attach keeps the earlier session", "daemon/control/service.py",
+           "            self._supersede_session(client, msg.supersedes)\n",
+           "            pass\n",
+           ("tests/daemon/control/test_quarantine.py::test_a_re_attached_engine_releases_its"
+            "_earlier_session_at_once",)),
+    Mutant("reclamation ignores the reader floor", "daemon/store/reclaim.py",
+           "        while self._retired and (floor is None or self._retired[0][0] <= floor):",
+           "        while self._retired:",
+           ("tests/daemon/store/test_reclaim.py",)),
+    Mutant("a stuck reader holds retired slots forever", "daemon/store/reclaim.py",
+           "            elif now - r.blocking_since > self.hold_s:",
+           "            elif False:",
+           ("tests/daemon/store/test_reclaim.py",)),
+    Mutant("pins accept any generation", "daemon/store/index.py",
+           "if not 0 <= slot < len(self.state) or self.gen[slot] != gen:",
+           "if not 0 <= slot < len(self.state):",
+           ("tests/daemon/store/test_reclaim.py",)),
+    Mutant("seqlock retry ignored", "connector/index_view.py",
+           "return rows, (seq == again) & (seq & 1 == 0) & (rows[\"seq\"] == seq)",
+           "return rows, np.ones(len(slots), dtype=bool)",
+           ("tests/daemon/store/test_concurrent_index.py",)),
+    Mutant("the ident word's key tag ignored", "connector/index_view.py",
+           "current = np.where(want >> _HALF != 0, current, current & _MASK)",
+           "current, want = current & _MASK, want & _MASK",
+           ("tests/daemon/store/test_shared_index.py",)),
+    Mutant("KV dtype dropped from the namespace", "daemon/base.py",
+           "MUTANT-PLACEHOLDER", "", ()),
+]
+
+
+def _scratch() -> Path:
+    dest = Path(tempfile.mkdtemp(prefix="kvoffload-mutant-"))
+    ignore = shutil.ignore_patterns(".git", ".venv", ".venv-*", "__pycache__", "*.egg-info",
+                                    ".mypy_cache", ".ruff_cache", ".pytest_cache", "build")
+    shutil.copytree(ROOT, dest / "tree", ignore=ignore, symlinks=True)
+    return dest / "tree"
+
+
+def run(mutant: Mutant, tree: Path, python: str) -> tuple[bool, float, str]:
+    """(survived, seconds, last lines of output) of one mutant."""
+    target = tree / mutant.path
+    original = target.read_text()
+    if original.count(mutant.old) != 1:
+        raise SystemExit(f"mutant {mutant.name!r}: its text occurs {original.count(mutant.old)}"
+                         f" times in {mutant.path} (must be once): update scripts/mutants.py")
+    target.write_text(original.replace(mutant.old, mutant.new))
+    env = {**os.environ, "KVOFFLOAD_MUTANT_ROOT": str(tree),
+           "PYTHONPATH": os.pathsep.join([str(tree / "scripts" / "mutants"),
+                                          os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "KVOFFLOAD_STRESS_S": os.environ.get("KVOFFLOAD_STRESS_S", "3")}
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                               *mutant.tests], cwd=tree, env=env, capture_output=True,
+                              text=True, timeout=600)
+        out, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired:
+        out, code = "timed out", 1  # a hang is a failure of the suite: the mutant is caught
+    finally:
+        target.write_text(original)
+    tail = "\n".join(out.strip().splitlines()[-3:])
+    # Exit 1: tests failed (caught). 0: they passed (survived). Anything else (collection
+    # errors, no tests) proves nothing.
+    if code not in (0, 1):
+        raise SystemExit(f"mutant {mutant.name!r}: pytest exited {code}:\n{out[-2000:]}")
+    return code == 0, time.monotonic() - start, tail
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-k", default="", help="only mutants whose name contains this")
+    ap.add_argument("--python", default=sys.executable)
+    args = ap.parse_args()
+    chosen = [m for m in MUTANTS if m.tests and args.k in m.name]
+    tree = _scratch()
+    survived = []
+    try:
+        for m in chosen:
+            alive, seconds, tail = run(m, tree, args.python)
+            print(f"{'SURVIVED' if alive else 'caught  '} {seconds:5.1f}s  {m.name}", flush=True)
+            if alive:
+                survived.append(m.name)
+                print("    " + tail.replace("\n", "\n    "))
+    finally:
+        shutil.rmtree(tree.parent, ignore_errors=True)
+    print(f"{len(chosen) - len(survived)} caught, {len(survived)} survived")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""An engine that freezes at the worst moment never writes or reads another writer's block.
+
+Through vLLM 0.33's real Scheduler and worker connector with our ``KVOffloadConnector``
+(MiniEngine) against a daemon process with a 300 ms lease. Engine A is frozen at a chosen point
+of its worker's job -- a SIGSTOP or a stuck CUDA stream there -- and stops heartbeating, so its
+lease runs out and the daemon revokes what it held. Another writer then fills the pool and
+commits blocks with known bytes; then A goes on.
+
+* Store held after the lock and the pre-check: the revoked slots must stay quarantined while A
+  may still write them (the lock), or A's late copy overwrites the other writer's block.
+* Store held before the lock: the slots are re-granted at once (no writer holds the lock), so
+  A's pre-check must see their new generation and write nothing.
+* Load held mid-copy: its pins were released with its lease and the other writer reused the
+  slot; the post-copy check must fail the load (vLLM recomputes), or the model reads the other
+  writer's bytes as this prompt's KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.daemon_helpers import run_daemon
+from tests.plugin_common import connect, plugin_config
+from tests.vllm_harness import vllm_import_error
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(vllm_import_error() is not None, reason=str(vllm_import_error())),
+]
+
+SLOT = 4096
+PROMPT = list(range(500, 530))
+
+
+def _wait(cond: Callable[[], bool], seconds: float = 15) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def _hold_first(worker: Any, where: str) -> tuple[threading.Event, threading.Event]:
+    """Hold the first store (``where`` = "copy": after the lock and pre-check, "submit":
+    before the lock) or load ("load": before its bytes are copied) of ``worker``; returns
+    (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+
+    if where == "submit":
+        submit_store = worker.submit_store
+
+        def held_submit(job_id: int, src: Any, dst: Any) -> bool:
+            hold()
+            return bool(submit_store(job_id, src, dst))
+
+        worker.submit_store = held_submit
+        return entered, release
+    original = worker._copier_for
+
+    def copier_for(pool: Any) -> Any:
+        copier = original(pool)
+        if getattr(copier, "_held", False):
+            return copier
+        name = "submit_load" if where == "load" else "submit_store"
+        submit = getattr(copier, name)
+
+        def held(job_id: int, items: Any) -> bool:
+            hold()
+            return bool(submit(job_id, items))
+
+        setattr(copier, name, held)
+        copier._held = True
+        return copier
+
+    worker._copier_for = copier_for
+    return entered, release
+
+
+def _engine(control: str) -> Any:
+    from kvoffload.bench.vllm_engine import MiniEngine
+
+    return MiniEngine(plugin_config(control, kvoffload_copy_async=False,
+                                    kvoffload_liveness_ms=60_000),
+                      connector="KVOffloadConnector", connector_module="kvoffload.connector.vllm")
+
+
+def _freeze(e: Any) -> None:
+    session = e.connector.scheduler.manager.session
+    session._stop.set()  # no heartbeat; its step thread is stuck in the held job
+    session._kick.set()
+
+
+def _flood(other: Any, pool: mmap.mmap, tag: str) -> dict[int, bytes]:
+    """Another writer stores every block it can get, with bytes of its own."""
+    from kvoffload.daemon.base import make_key
+    from kvoffload.daemon.control import protocol as p
+
+    written: dict[int, bytes] = {}
+    for i in range(64):
+        key = make_key(hashlib.sha256(f"{tag}-{i}".encode()).digest(), 0)
+        grant = other.prepare_store([p.StoreItem(key=key, end_token=16)])
+        if grant.outcomes != [p.StoreOutcome.GRANTED]:
+            continue
+        slot = grant.slots[0]
+        data = hashlib.sha256(key).digest() * (SLOT // 32)
+        pool[slot * SLOT:(slot + 1) * SLOT] = data
+        other.commit_store([key])
+        written[slot] = data
+    return written
+
+
+@pytest.mark.parametrize("where", ["copy", "submit"])
+def test_a_frozen_writers_late_store_never_overwrites_another_writers_block(
+        tmp_path: Path, where: str) -> None:
+    with run_daemon(tmp_path, "--lease-ms", "300", pool_bytes=32 * SLOT, slot_bytes=SLOT) as d:
+        a = _engine(d.control)
+        ours = a.worker._handover.worker
+        entered, release = _hold_first(ours, where)
+        a.add(PROMPT, "a", max_tokens=2)
+        runner = threading.Thread(target=a.run, daemon=True)
+        runner.start()
+        assert entered.wait(30)
+        _freeze(a)
+        other = connect(d.control, a.connector.scheduler.manager.geometry)
+        # Its lease runs out: its grants are revoked (and quarantined while it holds the lock).
+        assert _wait(lambda: other.stats()["clients"] == 1)
+        with open(d.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as pool:
+            written = _flood(other, pool, where)
+            assert written
+            release.set()  # A goes on
+            runner.join(30)
+            assert not runner.is_alive()
+            for slot, data in written.items():
+                assert pool[slot * SLOT:(slot + 1) * SLOT] == data, f"slot {slot} overwritten"
+        other.close()
+        a.shutdown()
+
+
+def test_a_load_whose_slot_went_to_another_writer_mid_copy_is_recomputed(
+        tmp_path: Path) -> None:
+    from kvoffload.bench.vllm_engine import BLOCK, ROW, state_page, token_row
+
+    with run_daemon(tmp_path, "--lease-ms", "300", pool_bytes=32 * SLOT, slot_bytes=SLOT) as d:
+        a = _engine(d.control)
+        a.add(PROMPT, "first", max_tokens=2)
+        a.run()
+        assert a.scheduler.reset_prefix_cache()
+        a.scribble()
+        ours = a.worker._handover.worker
+        entered, release = _hold_first(ours, "load")
+        seen: dict[str, bool] = {}
+
+        def on_loaded(req_id: str) -> None:  # what the model reads once the load is done
+            attn, mamba = a.block_table(req_id)
+            seen["correct"] = all(
+                bytes(a.pages["attn.0"][attn[t // BLOCK], ROW * (t % BLOCK):
+                                        ROW * (t % BLOCK + 1)].numpy())
+                == bytes(token_row(PROMPT, t).numpy()) for t in range(28)) and bytes(
+                a.pages["mamba.0"][mamba[27 // BLOCK]].numpy()) == bytes(
+                state_page(PROMPT[:28]).numpy())
+
+        a.on_loaded = on_loaded
+        a.add(PROMPT, "second", max_tokens=2)
+        runner = threading.Thread(target=a.run, daemon=True)
+        runner.start()
+        assert entered.wait(30)
+        _freeze(a)
+        other = connect(d.control, a.connector.scheduler.manager.geometry)
+        assert _wait(lambda: other.stats()["clients"] == 1)  # its pins went with its lease
+        with open(d.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as pool:
+            assert _flood(other, pool, "load")  # evicts its blocks and reuses their slots
+            release.set()
+            runner.join(30)
+            assert not runner.is_alive()
+        # Either the copy failed its check and vLLM recomputed the prompt, or (had the slots
+        # survived) it read the right bytes: never the other writer's as a hit.
+        # The copy failed its check: vLLM was told, and recomputed the prompt; the model never
+        # saw the other writer's bytes as this prompt's KV.
+        assert seen.get("correct", True), "the model read another writer's bytes as this KV"
+        assert a.failed_loads == {"second"} and a.prefill_tokens["second"] == 30
+        other.close()
+        a.shutdown()
