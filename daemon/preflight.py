@@ -1,11 +1,10 @@
 """Checks the daemon makes before it takes any resource, each ending in one line that names
 the setting, the cause and the fix (raised as ``StartFault``; the CLI prints it and exits 1).
 
-- Files and folders the daemon uses are its own: created by it (``O_EXCL``, mode 0600/0700)
-  or, when they already exist, verified (not a symlink, the right type, owned by this user,
-  not writable by others). A local user who pre-creates the pool file could otherwise read
-  and overwrite stored KV; one who pre-creates the control folder could put an impostor
-  socket in it.
+- Folders the daemon uses are its own: created by it (0700) or, when they already exist,
+  verified (not a symlink, a folder, owned by this user, not writable by others): one who
+  pre-creates the control folder could otherwise put an impostor socket in it. Files next to
+  the pool and the control lock are created fresh by ``store/private_files.py``.
 - A lock held by someone else is reported with the holder's pid (from ``/proc/locks``).
 - A pool larger than its filesystem's free space is refused before the file is sized: on
   tmpfs the first touch of a page beyond the limit is a SIGBUS, not an error.
@@ -16,7 +15,6 @@ the setting, the cause and the fix (raised as ``StartFault``; the CLI prints it 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import pwd
 import stat
@@ -78,17 +76,27 @@ def _check_owned(st: os.stat_result, path: Path, what: str, setting: str) -> Non
                          f"choose another {setting}")
 
 
-def secure_dir(path: Path, setting: str) -> None:
+def secure_dir(path: Path, setting: str) -> list[Path]:
     """Create ``path`` (0700, parents too) or verify it: a real directory owned by us and not
-    writable by others, or a shared sticky one like /tmp owned by root or us."""
-    try:
-        path.mkdir(mode=0o700, parents=True)
-        return
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise StartFault(f"{setting}: cannot create folder {path}: {exc.strerror}; create it "
-                         "or choose another path") from None
+    writable by others, or a shared sticky one like /tmp owned by root or us. Returns the
+    folders it created, outermost first, so that a refused start can remove them again."""
+    missing: list[Path] = []
+    probe = path
+    while not os.path.lexists(probe) and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    made: list[Path] = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            continue  # created meanwhile: verified below like any existing folder
+        except OSError as exc:
+            raise StartFault(f"{setting}: cannot create folder {folder}: {exc.strerror}; "
+                             "create it or choose another path") from None
+        made.append(folder)
+    if made and made[-1] == path:
+        return made
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise StartFault(f"{setting}: {path} is a symlink; the daemon only uses a folder it "
@@ -97,44 +105,22 @@ def secure_dir(path: Path, setting: str) -> None:
         raise StartFault(f"{setting}: {path} is not a folder: remove it or choose another path")
     sticky = bool(st.st_mode & stat.S_ISVTX)
     if sticky and st.st_uid in (0, os.geteuid()):
-        return  # /tmp-like: others cannot remove or rename what we create in it
+        return made  # /tmp-like: others cannot remove or rename what we create in it
     _check_owned(st, path, "folder", setting)
     if st.st_mode & 0o022:
         raise StartFault(f"{setting}: folder {path} is writable by other users (mode "
                          f"{stat.S_IMODE(st.st_mode):o}), so they could replace its socket: "
                          f"chmod 700 {path} or choose another path")
+    return made
 
 
-def open_owned(path: Path, setting: str, what: str) -> tuple[int, bool]:
-    """Open (creating with O_EXCL, mode 0600) a file only this user can use; returns
-    ``(fd, created)``. An existing file must be a regular file we own; its mode is narrowed
-    to 0600."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise StartFault(f"{setting} {path}: cannot create the {what}: {exc.strerror}") from None
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise StartFault(f"{setting} {path}: the {what} is a symlink; refusing to follow "
-                             "it: remove it or choose another path") from None
-        raise StartFault(f"{setting} {path}: cannot open the {what}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise StartFault(f"{setting} {path}: the {what} is not a regular file: remove it "
-                             "or choose another path")
-        _check_owned(st, path, what, setting)
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.fchmod(fd, 0o600)  # ours, but readable by others: no one else may map it
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, False
+def remove_folders(made: list[Path]) -> None:
+    """Remove folders ``secure_dir`` created (innermost first), each only if empty."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            return  # not empty (someone uses it) or gone: leave it and its parents
 
 
 def check_space(fd: int, path: Path, size: int, setting: str = "pool_bytes") -> None:

@@ -32,7 +32,7 @@ from kvoffload.daemon.control.security import (
     load_keypair,
 )
 from kvoffload.daemon.control.service import Service
-from kvoffload.daemon.ops.http import HttpServer
+from kvoffload.daemon.ops.http import HttpServer, NotReady
 from kvoffload.daemon.ops.loop_health import (
     LoopLagMonitor,
     ParkedLookups,
@@ -119,6 +119,8 @@ class Server(ControlFrames, ServerStartup):
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._lock_fd: int | None = None
+        self._lock_made: Path | None = None
+        self._made_dirs: list[Path] = []
         self._tasks: set[asyncio.Task[Any]] = set()  # replies still being worked out
         self._loops: list[asyncio.Task[Any]] = []  # the receive loop and the lease sweeper
         self._stopping = asyncio.Event()
@@ -142,9 +144,11 @@ class Server(ControlFrames, ServerStartup):
     # -- start ------------------------------------------------------------------------
 
     def readiness(self) -> dict[str, bool | str]:
+        why = self.attach_problem()
         checks: dict[str, bool | str] = {
             "pool_mapped": self.pool.mapped, "control_bound": self._sock is not None,
-            "accepting": self.accepting}
+            "accepting": self.accepting,
+            "engines_can_attach": True if why is None else NotReady(why)}
         if self.mooncake is not None:  # a detail, never False: the pool serves without it
             checks["mooncake"] = self.mooncake.readiness()
         return checks
@@ -181,6 +185,7 @@ class Server(ControlFrames, ServerStartup):
             self.pool.open()
         except OSError as exc:
             raise StartupError(f"pool_path {self.pool.path}: {exc}") from None
+        self._check_index_files()
         # Ours now (the pool's lock is held): engines of a previous daemon stop trusting its
         # index before this one hands out any slot.
         supersede(index_path_for(self.pool.path))
@@ -312,7 +317,8 @@ class Server(ControlFrames, ServerStartup):
                         else f"drain_ms {self.config.drain_ms} passed", self.index.n_pinned)
 
     async def shutdown(self) -> None:
-        """Stop accepting, answer parked lookups, close sockets, unmap and unlock."""
+        """Stop accepting, answer parked lookups, close sockets, unmap and unlock; after a
+        refused start, also remove what the start created."""
         self._stop_granting()
         self.loop_lag.stop()
         await asyncio.sleep(0)
@@ -337,8 +343,12 @@ class Server(ControlFrames, ServerStartup):
             self.journal = None
         if self.index.shared is not None:  # engines stop trusting it before the pool goes
             self.index.shared.close()
-        # Without a state dir nothing can reuse the pool file: give its memory back.
-        self.pool.close(remove=self.config.state_dir is None)
+        # Without a state dir nothing can reuse the pool file: give its memory back. Nor
+        # after a refused start that created it: nothing half-started stays.
+        self.pool.close(remove=self.config.state_dir is None or
+                        (not self.started and self.pool.created))
+        if not self.started:
+            self._undo_start()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

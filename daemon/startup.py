@@ -1,12 +1,12 @@
 """Start-up steps of ``server.Server``: the control path's lock, the control socket's bind,
-warm restart from the state dir (or a loud cold start), the ready file.
+warm restart from the state dir (or a loud cold start), the ready file; what a refused start
+undoes; whether engines can attach (for /readyz).
 
 A mixin of ``server.Server`` (split out to keep each module readable).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -19,8 +19,10 @@ from kvoffload.daemon.control.security import CurveGuard
 from kvoffload.daemon.control.service import Service
 from kvoffload.daemon.ops.http import HttpServer
 from kvoffload.daemon.ops.metrics import DaemonMetrics
-from kvoffload.daemon.preflight import StartFault, held_by, open_owned, probe_state_dir, secure_dir
+from kvoffload.daemon.preflight import StartFault, probe_state_dir, remove_folders, secure_dir
 from kvoffload.daemon.state.journal import Journal, recover_state
+from kvoffload.daemon.store import private_files as pf
+from kvoffload.daemon.store import shared_index as si
 from kvoffload.daemon.store.index import BlockIndex
 from kvoffload.daemon.store.pool import Pool
 from kvoffload.daemon.streams.publish import DaemonEvents
@@ -30,6 +32,10 @@ log = logging.getLogger("kvoffload.daemon")
 
 # Frames queued per client before libzmq stops reading from it (see _bind).
 RCVHWM_FRAMES = 8
+
+# The shared index as earlier daemons (and shared_index.py so far) write it, with no mark at
+# its end: recognized by its header's magic.
+INDEX_LEGACY = pf.starts_with(si.MAGIC)
 
 
 class StartupError(StartFault):
@@ -50,26 +56,28 @@ class ServerStartup:
     state_dir_faulty: Gauge
     control_endpoint: str
     _lock_fd: int | None
+    _lock_made: Path | None  # the control lock file, when this start created it
+    _made_dirs: list[Path]  # folders this start created for the control socket
     _ctx: zmq.asyncio.Context
     _sock: zmq.asyncio.Socket | None
     curve: CurveGuard | None
 
     def _lock_ipc(self) -> None:
         """ZMQ silently takes over an ipc path in use; a lock file makes a 2nd start fail.
-        The folder and the lock file are the daemon's own (startup.py says why)."""
+        The folder and the lock file are the daemon's own (preflight, private_files)."""
         if not self.config.control.startswith("ipc://"):
             return
         path = Path(self.config.control[len("ipc://"):])
-        secure_dir(path.parent, "control")
-        fd, _ = open_owned(Path(f"{path}.lock"), "control", "control lock file")
+        self._made_dirs = secure_dir(path.parent, "control")
+        lock = Path(f"{path}.lock")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = held_by(fd)
-            os.close(fd)
-            raise StartupError(f"control {self.config.control} is in use by {holder} (another "
-                               "kvoffload daemon): stop it or choose another --control") from None
+            fd, created = pf.open_lock(lock, setting="control", what="control lock file")
+        except pf.FileLocked as exc:
+            raise StartupError(f"control {self.config.control} is in use by {exc.holder} "
+                               "(another kvoffload daemon): stop it or choose another "
+                               "--control") from None
         self._lock_fd = fd
+        self._lock_made = lock if created else None
 
     def _bind(self) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -97,6 +105,41 @@ class ServerStartup:
             # A socket file takes the mode 0777 & ~umask = 0700; only read/write matter.
             os.chmod(self.config.control[len("ipc://"):], 0o600)
         self._sock = sock
+
+    def _check_index_files(self) -> None:
+        """Before the old index is superseded (and unlinked): a file at an index path that no
+        kvoffload daemon of this user made stops the start in one line, untouched."""
+        pf.check_previous(si.index_path_for(self.pool.path), kind=pf.KIND_INDEX,
+                          setting="pool_path", what="shared index", legacy=INDEX_LEGACY)
+
+    def attach_problem(self) -> str | None:
+        """Why engines cannot attach now (map the pool, read the index), or None."""
+        if not self.pool.mapped:
+            return None  # not started: "pool_mapped" says so
+        if why := self.pool.problem():
+            return why
+        if not self.config.shared_index or not self.pool.configured:
+            return None  # the index is made with the slot size, by the first engine
+        index = si.index_path_for(self.pool.path)
+        if self.index.shared is None:
+            return pf.problem(index, kind=pf.KIND_INDEX, setting="pool_path",
+                              what="shared index", legacy=INDEX_LEGACY) or (
+                f"the shared index {index} could not be created (the daemon's log says "
+                "why): engines that read the index cannot attach; fix it and restart")
+        return pf.problem(index, kind=pf.KIND_INDEX, setting="pool_path", what="shared index",
+                          legacy=INDEX_LEGACY)
+
+    def _undo_start(self) -> None:
+        """A refused start leaves nothing behind: the lock file it created goes while it is
+        still held (so no other daemon can be using it), then the folders it created, if
+        empty. Call it after the sockets and the pool are closed."""
+        if self._lock_fd is not None:
+            if self._lock_made is not None:
+                pf.remove(self._lock_made, self._lock_fd)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        remove_folders(self.pool.made_dirs)
+        remove_folders(self._made_dirs)
 
     def _recover(self, state_dir: Path) -> None:
         """Warm restart from the state dir, or a cold start when it cannot be used

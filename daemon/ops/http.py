@@ -32,6 +32,11 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
             503: "Service Unavailable"}
 
 
+class NotReady(str):
+    """A readiness check that fails, with its reason: /readyz shows the check as ``false``
+    and the reason under ``reasons``. (A plain string is a detail, never a failure.)"""
+
+
 def descriptor_budget(share: int = 8) -> int:
     """A 1/``share`` part of the soft RLIMIT_NOFILE (at least 4)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -140,8 +145,12 @@ class HttpServer:
             return 200, "application/json", b'{"status": "alive"}'
         if path == "/readyz":
             checks = dict(self._readiness())
+            reasons = {k: str(v) for k, v in checks.items() if isinstance(v, NotReady)}
+            checks.update(dict.fromkeys(reasons, False))
             ok = all(checks.values())
             extra = dict(self._details()) if self._details is not None else {}
+            if reasons:
+                extra["reasons"] = reasons
             return (200 if ok else 503, "application/json",
                     json.dumps({"ready": ok, "checks": checks, **extra}).encode())
         if path == "/metrics":

@@ -5,31 +5,33 @@ slot numbers. The file is locked (flock) for the daemon's lifetime so a second d
 same path fails at once instead of corrupting the first one's blocks. Pages are touched at
 start: first touch of a fresh /dev/shm page costs 10-30x a copy into a touched one, and that
 cost must never land on an engine's copy path.
+
+The file is the daemon's own (``private_files.py``): created fresh, ending with kvoffload's
+mark after the ``pool_bytes`` engines map. A file a previous daemon of this user left (kill -9,
+or kept with a state dir) is reused in place, same inode, so a warm restart finds its blocks
+and engines keep their mapping; it is never made smaller in place: an engine still mapping
+the old size would die of SIGBUS on its next touch past the new end. A smaller pool, or a
+file whose mode was widened (someone else may hold it open), gets a new file instead.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import mmap
 import os
+import stat
 from array import array
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvoffload.daemon.preflight import (
-    StartFault,
-    check_space,
-    held_by,
-    human,
-    open_owned,
-    secure_dir,
-)
+from kvoffload.daemon.preflight import StartFault, check_space, human, remove_folders, secure_dir
+from kvoffload.daemon.store import private_files as pf
 
 log = logging.getLogger("kvoffload.daemon")
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_SETTING, _WHAT = "pool_path", "pool file"
 
 
 class PoolInUse(StartFault):
@@ -46,6 +48,8 @@ class Pool:
         self._free = array("I")
         self._fd: int | None = None
         self._mm: mmap.mmap | None = None
+        self.created = False  # this run made the file (a refused start removes it again)
+        self.made_dirs: list[Path] = []  # folders this run created for it
 
     @property
     def mapped(self) -> bool:
@@ -54,18 +58,11 @@ class Pool:
     def open(self) -> None:
         """Create (or verify and reuse) the pool file, lock it, check that its filesystem
         can hold it, then size, map and pre-fault it. Raises ``StartFault`` with one line;
-        on failure nothing is left behind (a file this call created is removed)."""
-        secure_dir(self.path.parent, "pool_path")
-        fd, created = open_owned(self.path, "pool_path", "pool file")
+        on failure nothing is left behind (a file or folder this call created is removed)."""
+        self.made_dirs = secure_dir(self.path.parent, _SETTING)
+        fd = None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise PoolInUse(f"pool_path {self.path} is locked by {held_by(fd)} (another "
-                                "kvoffload daemon): stop it or choose another --pool-path"
-                                ) from None
-            check_space(fd, self.path, self.pool_bytes)
-            self._size(fd)
+            fd = self._acquire()
             self._mm = mmap.mmap(fd, self.pool_bytes, mmap.MAP_SHARED)
             if self.prefault:
                 self._touch_all()
@@ -73,22 +70,88 @@ class Pool:
             if self._mm is not None:
                 self._mm.close()
                 self._mm = None
-            if created:
-                self.path.unlink(missing_ok=True)
-            os.close(fd)
+            if fd is not None:
+                if self.created:
+                    pf.remove(self.path, fd)  # while locked: no other daemon adopted it
+                os.close(fd)
+            self.created = False
+            remove_folders(self.made_dirs)
             raise
         self._fd = fd
 
-    def _size(self, fd: int) -> None:
+    def _acquire(self) -> int:
+        """A locked descriptor of a pool file of ours that holds ``pool_bytes``."""
+        for _ in range(3):
+            try:
+                old = pf.open_locked(self.path, setting=_SETTING, what=_WHAT)
+            except pf.FileLocked as exc:
+                raise PoolInUse(f"pool_path {self.path} is locked by {exc.holder} (another "
+                                "kvoffload daemon): stop it or choose another --pool-path"
+                                ) from None
+            try:
+                if old is not None:
+                    pf.check_ours(old, self.path, kind=pf.KIND_POOL, setting=_SETTING,
+                                  what=_WHAT)
+                    why = self._not_reusable(old)
+                    if why is None:
+                        self._grow(old)
+                        return old
+                    log.warning("pool_path %s: %s; creating a new pool file (engines still "
+                                "mapping the old one keep it until they map the new one)",
+                                self.path, why)
+                prev, old = old, None  # create_private closes it, whatever happens
+                fd = pf.create_private(self.path, self.pool_bytes, kind=pf.KIND_POOL,
+                                       setting=_SETTING, what=_WHAT, replacing=prev,
+                                       lock=True, prepare=self._reserve)
+            except pf.FileAppeared:
+                continue  # another daemon created one meanwhile: its lock decides
+            except BaseException:
+                if old is not None:
+                    os.close(old)
+                raise
+            self.created = True
+            return fd
+        raise pf.PrivateFileError(f"pool_path {self.path}: the pool file keeps changing while "
+                                  "the daemon starts: another process creates and removes it")
+
+    def _not_reusable(self, fd: int) -> str | None:
+        """Why a pool file of ours must not be reused in place, or None."""
+        st = os.fstat(fd)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            # Created 0600: a wider mode means someone chmodded it, and whoever opened it
+            # meanwhile keeps a descriptor no chmod takes away. Narrowing is not enough.
+            return (f"its mode was widened to {stat.S_IMODE(st.st_mode):o}, so another user "
+                    "may hold it open")
+        data = st.st_size - pf.MARK_BYTES
+        if data > self.pool_bytes:
+            return (f"it holds {human(data)} and pool_bytes is {human(self.pool_bytes)}: a file "
+                    "engines map is never made smaller (they would die of SIGBUS)")
+        return None
+
+    def _grow(self, fd: int) -> None:
+        """Reuse a file of ours: reserve its pages again, larger if pool_bytes grew (growing
+        in place is safe: mappings of the old size stay valid)."""
+        old = os.fstat(fd).st_size - pf.MARK_BYTES
+        try:
+            self._reserve(fd)
+            if old != self.pool_bytes:
+                os.pwrite(fd, bytes(pf.MARK_BYTES), old)  # the old mark is slot bytes now
+            pf.write_mark(fd, self.pool_bytes, pf.KIND_POOL)
+        except OSError as exc:
+            raise StartFault(f"pool_path {self.path}: cannot size the pool file: "
+                             f"{exc.strerror or exc}") from None
+
+    def _reserve(self, fd: int) -> None:
         """With pre-faulting, reserve the whole file (a fs that fills up meanwhile is ENOSPC
         here, not a SIGBUS on first touch); without it, only set the size."""
-        if os.fstat(fd).st_size > self.pool_bytes:
-            os.ftruncate(fd, self.pool_bytes)  # a smaller pool than last run: shrink first
+        total = self.pool_bytes + pf.MARK_BYTES
+        check_space(fd, self.path, total)
+        if os.fstat(fd).st_size < self.pool_bytes:
+            os.ftruncate(fd, self.pool_bytes)  # never smaller: the caller checked
         if not self.prefault:
-            os.ftruncate(fd, self.pool_bytes)
             return
         try:
-            os.posix_fallocate(fd, 0, self.pool_bytes)
+            os.posix_fallocate(fd, 0, total)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise StartFault(f"pool_bytes {human(self.pool_bytes)}: the filesystem of "
@@ -96,7 +159,6 @@ class Pool:
                                  "--pool-bytes or make room") from None
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
-            os.ftruncate(fd, self.pool_bytes)  # fallocate unsupported: size only
 
     def _touch_all(self) -> None:
         assert self._mm is not None
@@ -146,6 +208,15 @@ class Pool:
         start = slot * self.slot_bytes
         return memoryview(self._mm)[start:start + self.slot_bytes]
 
+    def problem(self) -> str | None:
+        """Why engines cannot map this pool now (its file was removed or replaced), or None."""
+        if self._fd is None:
+            return "the pool file is not open"
+        if not pf.names(self.path, self._fd):
+            return (f"the pool file {self.path} was removed or replaced after the daemon "
+                    "created it (engines map the path): restart the daemon")
+        return None
+
     def close(self, *, remove: bool) -> None:
         if self._mm is not None:
             try:
@@ -155,6 +226,6 @@ class Pool:
             self._mm = None
         if self._fd is not None:
             if remove:
-                self.path.unlink(missing_ok=True)
+                pf.remove(self.path, self._fd)  # ours only, and while the lock is held
             os.close(self._fd)  # releases the flock
             self._fd = None

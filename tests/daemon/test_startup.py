@@ -1,7 +1,8 @@
-"""Start-up faults (issue 16 items 2 and 10, issue 14 items 4 and 5), against real daemon
-processes: the daemon's files and folders are its own; a bad state dir starts cold (or
-refuses) without a traceback; every endpoint given is bound and reported; recovered state is
-in the first scrape after a warm restart.
+"""Start-up faults (issue 16 items 2 and 10, issue 14 items 4 and 5, issue 23 item 5),
+against real daemon processes: the daemon's files and folders are its own; a refused start
+leaves nothing behind; a bad state dir starts cold (or refuses) without a traceback; every
+endpoint given is bound and reported; recovered state is in the first scrape after a warm
+restart.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import fcntl
 import json
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -70,12 +72,19 @@ def test_pool_path_that_is_a_symlink_is_refused(workdir: Path, pool: str) -> Non
     assert target.read_bytes() == b"x"
 
 
-def test_own_pool_file_open_to_others_is_narrowed_to_0600(tmp_path: Path, pool: str) -> None:
-    with open(pool, "wb"):
-        pass
+def test_own_file_the_daemon_did_not_create_is_refused_not_adopted(workdir: Path,
+                                                                    pool: str) -> None:
+    """Issue 26: a file of this user at the pool path, open to others (0666) and perhaps held
+    open by one of them, was kept with its mode narrowed: their descriptor still read every
+    stored block. Now only a file a kvoffload daemon created (its mark) is used."""
+    with open(pool, "wb") as f:
+        f.write(b"not a pool")
     os.chmod(pool, 0o666)
-    with run_daemon(tmp_path, "--pool-path", pool):
-        assert os.stat(pool).st_mode & 0o777 == 0o600
+    proc = cli(*serve_args(workdir, pool))
+    one_line(proc, 1, f"pool_path {pool}", "not created by a kvoffload daemon", "remove it")
+    st = os.stat(pool)
+    assert (st.st_size, st.st_mode & 0o777) == (10, 0o666)  # left exactly as it was
+    assert sorted(p.name for p in workdir.iterdir()) == []  # no control lock left either
 
 
 def test_lock_holder_is_named(workdir: Path, pool: str) -> None:
@@ -86,6 +95,51 @@ def test_lock_holder_is_named(workdir: Path, pool: str) -> None:
         one_line(proc, 1, f"pool_path {pool} is locked by pid {os.getpid()}")
     finally:
         os.close(fd)
+
+
+# -- a refused start leaves nothing behind -----------------------------------------------------
+
+
+def test_refused_start_removes_the_control_folder_and_lock_it_created(workdir: Path,
+                                                                      pool: str) -> None:
+    with socket.socket() as taken:  # the HTTP port is in use: refused after lock and pool
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = cli("serve", "--control", f"ipc://{workdir}/run/kvo/control.sock", "--http",
+                   f"127.0.0.1:{port}", "--pool-path", pool, "--pool-bytes", "8MiB")
+    one_line(proc, 1, f"http 127.0.0.1:{port}", "in use")
+    assert sorted(p.name for p in workdir.iterdir()) == []  # run/kvo/ and its .lock are gone
+    assert not os.path.exists(pool)
+
+
+def test_refused_start_keeps_what_was_there_before(workdir: Path, pool: str) -> None:
+    """A state dir keeps the pool at stop, not a pool a refused start created; a control
+    folder that existed stays (only its lock file, made by this start, goes)."""
+    ctl = workdir / "ctl"
+    ctl.mkdir(mode=0o700)
+    (ctl / "keep").write_text("an operator's file")
+    state = workdir / "state"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = cli("serve", "--control", f"ipc://{ctl}/control.sock", "--http",
+                   f"127.0.0.1:{port}", "--pool-path", pool, "--pool-bytes", "8MiB",
+                   "--state-dir", str(state))
+    one_line(proc, 1, f"http 127.0.0.1:{port}", "in use")
+    assert sorted(p.name for p in ctl.iterdir()) == ["keep"]
+    assert not os.path.exists(pool)
+
+
+def test_refused_start_on_a_locked_pool_leaves_the_holders_file(workdir: Path,
+                                                                pool: str) -> None:
+    with run_daemon(workdir / "first") as first:
+        assert first.proc is not None
+        proc = cli(*serve_args(workdir / "second", first.pool_path))
+        one_line(proc, 1, f"pool_path {first.pool_path}", f"locked by pid {first.proc.pid}")
+        assert not (workdir / "second").exists()  # the folder it made for its socket
+        assert os.path.exists(first.pool_path) and first.proc.poll() is None
 
 
 # -- the control folder ----------------------------------------------------------------------

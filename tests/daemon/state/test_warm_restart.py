@@ -234,3 +234,60 @@ def test_recovered_blocks_wait_for_a_payload_instead_of_a_placeholder(tmp_path: 
         recovered = metric(d, "recovered")
         assert ready > 0 and waiting == recovered >= 0.99 * ready
         assert 'kvoffload_events_incomplete_total{reason="recovered"}' in text
+
+
+# -- the pool file engines map is never made smaller in place (issue 23 item 5) ----------
+
+# Maps the pool file as an engine's worker does, writes into its last page, then (told to on
+# stdin) reads it back: a file truncated under the mapping kills it with SIGBUS (rc -7).
+MAPPER = r"""
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+size = int(sys.argv[2])
+mm = mmap.mmap(fd, size)
+os.close(fd)
+mm[size - 4096:size - 4091] = b"hello"
+print("mapped", flush=True)
+sys.stdin.readline()
+print(bytes(mm[size - 4096:size - 4091]).decode(), flush=True)
+"""
+
+
+def _map_pool(path: str, size: int) -> subprocess.Popen[str]:
+    mapper = subprocess.Popen([sys.executable, "-c", MAPPER, path, str(size)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert mapper.stdout is not None and mapper.stdout.readline().strip() == "mapped"
+    return mapper
+
+
+def test_a_smaller_pool_after_kill9_leaves_old_mappings_readable(tmp_path: Path) -> None:
+    from kvoffload.daemon.store.private_files import MARK_BYTES
+
+    with run_daemon(tmp_path, pool_bytes=16 << 20) as d:
+        old = os.stat(d.pool_path)
+        mapper = _map_pool(d.pool_path, 16 << 20)
+        d.kill()
+        d.pool_bytes = 8 << 20
+        d.start()
+        out, _ = mapper.communicate("\n", timeout=60)
+        assert mapper.returncode == 0, mapper.returncode  # -7: SIGBUS
+        assert out.split() == ["hello"]  # the old file, intact under its mapping
+        new = os.stat(d.pool_path)
+        assert new.st_ino != old.st_ino and new.st_size == (8 << 20) + MARK_BYTES
+        assert "never made smaller" in d.log()
+        after = demo(d.control, "--requests", "20")
+        assert after["verify_failures"] == 0 and after["errors"] == 0
+
+
+def test_a_larger_pool_grows_the_same_file(tmp_path: Path) -> None:
+    """Growing in place is safe for old mappings and keeps the inode (a warm restart's
+    blocks, engines' mappings)."""
+    with run_daemon(tmp_path, pool_bytes=8 << 20) as d:
+        old = os.stat(d.pool_path)
+        mapper = _map_pool(d.pool_path, 8 << 20)
+        d.kill()
+        d.pool_bytes = 16 << 20
+        d.start()
+        out, _ = mapper.communicate("\n", timeout=60)
+        assert mapper.returncode == 0 and out.split() == ["hello"]
+        assert os.stat(d.pool_path).st_ino == old.st_ino
