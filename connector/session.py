@@ -27,68 +27,24 @@ it applied; ``send`` counts the message and, at the end of a step, marks the rec
 from __future__ import annotations
 
 import logging
-import mmap
-import os
-import struct
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, cast
 
-import numpy as np
 import zmq
 from kvoffload.connector.client import DaemonClient, DaemonUnavailable, background_context
 from kvoffload.connector.index_view import IndexGone, IndexView
+from kvoffload.connector.reader_record import ReaderRecord
 from kvoffload.daemon.base import Geometry
 from kvoffload.daemon.control import protocol as p
 from kvoffload.daemon.control.security import CurveClientKeys
-from kvoffload.daemon.store import fence, session_file
+from kvoffload.daemon.store import fence
 from kvoffload.daemon.store import shared_index as si
 
 log = logging.getLogger("kvoffload.connector")
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 REGISTER_MS = 30_000  # a first Register sizes the pool and builds its index: off the step
-_FIELDS = struct.Struct("<IQQ")  # busy, epoch, sent: the record after its sequence word
-
-
-class ReaderRecord:
-    """This engine's record in its session file (written here, read by the daemon)."""
-
-    def __init__(self, path: str, record: int = 0) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        try:
-            self._mm = mmap.mmap(fd, 0, mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        if record != 0 or len(self._mm) < session_file.FILE_BYTES:
-            self._mm.close()
-            raise IndexGone(f"{path} is not a session file (record {record})")
-        self._u32 = np.frombuffer(self._mm, dtype="<u4", count=2)
-        self._u64 = np.frombuffer(self._mm, dtype="<u8", count=4)
-        self._seq = int(self._u32[0]) & ~1
-        self._lock = threading.Lock()  # the heartbeat thread vs close()
-
-    def write(self, busy: bool, epoch: int, sent: int) -> None:
-        self._seq = (self._seq + 1) & 0xFFFFFFFF
-        self._u32[0] = self._seq  # odd: the daemon retries
-        fence.store_store()
-        _FIELDS.pack_into(self._mm, 4, int(busy), epoch, sent)
-        fence.store_store()
-        self._seq = (self._seq + 1) & 0xFFFFFFFF
-        self._u32[0] = self._seq
-
-    def stamp(self) -> None:
-        """The heartbeat: its own aligned word, so it needs no sequence lock."""
-        with self._lock:
-            if self._mm is not None:
-                self._u64[session_file.HEARTBEAT_OFFSET // 8] = si.now_ns()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._mm is not None:
-                del self._u32, self._u64
-                self._mm.close()
-                self._mm = None  # type: ignore[assignment]
 
 
 class _Attached:
@@ -236,7 +192,7 @@ class IndexSession:
         out, thread = self._attached, self._attaching
         if out is None or thread is None:
             return False
-        thread.join()  # done already: it set ``_attached`` last
+        thread.join(0)  # done already (it set ``_attached`` last): never waits
         self._attached, self._attaching = None, None
         if out.error or out.view is None or out.record is None or out.reg is None:
             self.counters["attach_failures"] += 1

@@ -31,6 +31,10 @@ class Mutant:
     old: str
     new: str
     tests: tuple[str, ...]
+    more: tuple[tuple[str, str, str], ...] = ()  # further (path, old, new) edits, same mutant
+
+    def edits(self) -> list[tuple[str, str, str]]:
+        return [(self.path, self.old, self.new), *self.more]
 
 
 VLLM = "tests/connector/vllm/"
@@ -86,8 +90,26 @@ MUTANTS = [
            "current = np.where(want >> _HALF != 0, current, current & _MASK)",
            "current, want = current & _MASK, want & _MASK",
            ("tests/daemon/store/test_shared_index.py",)),
-    Mutant("KV dtype dropped from the namespace", "daemon/base.py",
-           "MUTANT-PLACEHOLDER", "", ()),
+    Mutant("attach waits on the step", "connector/session.py",
+           "        self._attaching.start()\n", "        self._attaching.start()\n"
+           "        self._attaching.join()\n",
+           (VLLM + "test_step_never_waits.py",)),
+    Mutant("sync loads allowed (used before their check)", "connector/vllm/settings.py",
+           "    if budget:\n        raise SettingError(", "    if False:\n        raise SettingError(",
+           (VLLM + "test_start_checks.py",)),
+    Mutant("load failures left to vLLM's 'fail' default", "connector/vllm/connector.py",
+           '            kvt.kv_load_failure_policy = "recompute"', "            pass",
+           (VLLM + "test_start_checks.py",)),
+    Mutant("KV dtype dropped from the namespace", "connector/vllm/geometry.py",
+           "identity = repr((config.model.name, config.model.dtype, par.world_size,",
+           "identity = repr((config.model.name, par.world_size,",
+           (VLLM + "test_namespace.py::test_engines_differing_only_in_kv_cache_dtype_do_not"
+            "_share",),
+           more=(("connector/vllm/geometry.py",
+                  'name = (f"{config.model.name}|{config.model.dtype}|tp',
+                  'name = (f"{config.model.name}|tp'),
+                 ("connector/vllm/geometry.py", '_CACHE_FIELDS = ("cache_dtype", ',
+                  "_CACHE_FIELDS = (")),),
 ]
 
 
@@ -101,12 +123,17 @@ def _scratch() -> Path:
 
 def run(mutant: Mutant, tree: Path, python: str) -> tuple[bool, float, str]:
     """(survived, seconds, last lines of output) of one mutant."""
-    target = tree / mutant.path
-    original = target.read_text()
-    if original.count(mutant.old) != 1:
-        raise SystemExit(f"mutant {mutant.name!r}: its text occurs {original.count(mutant.old)}"
-                         f" times in {mutant.path} (must be once): update scripts/mutants.py")
-    target.write_text(original.replace(mutant.old, mutant.new))
+    originals: dict[Path, str] = {}
+    for path, old, new in mutant.edits():
+        target = tree / path
+        text = originals.setdefault(target, target.read_text()) if target not in originals \
+            else target.read_text()
+        if text.count(old) != 1:
+            for t, o in originals.items():
+                t.write_text(o)
+            raise SystemExit(f"mutant {mutant.name!r}: its text occurs {text.count(old)} times"
+                             f" in {path} (must be once): update scripts/mutants.py")
+        target.write_text(text.replace(old, new))
     env = {**os.environ, "KVOFFLOAD_MUTANT_ROOT": str(tree),
            "PYTHONPATH": os.pathsep.join([str(tree / "scripts" / "mutants"),
                                           os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -120,7 +147,8 @@ def run(mutant: Mutant, tree: Path, python: str) -> tuple[bool, float, str]:
     except subprocess.TimeoutExpired:
         out, code = "timed out", 1  # a hang is a failure of the suite: the mutant is caught
     finally:
-        target.write_text(original)
+        for target, text in originals.items():
+            target.write_text(text)
     tail = "\n".join(out.strip().splitlines()[-3:])
     # Exit 1: tests failed (caught). 0: they passed (survived). Anything else (collection
     # errors, no tests) proves nothing.

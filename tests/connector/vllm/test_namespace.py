@@ -47,7 +47,7 @@ def _model(**fields: Any) -> Any:
 
 
 def _namespace(model: Any = None, hash_algo: str = "sha256", connector: str = "ours",
-               **extra: Any) -> str:
+               cache_dtype: str | None = None, **extra: Any) -> str:
     from kvoffload.connector.vllm import KVOffloadConnector, KVOffloadSpec
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -57,6 +57,8 @@ def _namespace(model: Any = None, hash_algo: str = "sha256", connector: str = "o
     vc = build_vllm_config(plugin_config("ipc:///nowhere", **extra))
     vc.model_config = model or _model()
     vc.cache_config.prefix_caching_hash_algo = hash_algo  # type: ignore[assignment]
+    if cache_dtype is not None:
+        vc.cache_config.cache_dtype = cache_dtype  # type: ignore[assignment]
     cls = KVOffloadConnector if connector == "ours" else OffloadingConnector
     conn = cls(vc, KVConnectorRole.WORKER, hybrid_kv_cache_config())
     try:
@@ -126,3 +128,10 @@ def test_the_stock_connector_cannot_see_the_model_config() -> None:
     stock = _namespace(connector="stock")
     assert _namespace(_model(quantization="fp8"), connector="stock") == stock
     assert stock != _namespace()
+
+
+@pytest.mark.parametrize("connector", ["ours", "stock"])
+def test_engines_differing_only_in_kv_cache_dtype_do_not_share(connector: str) -> None:
+    """The KV dtype changes every byte of a block: under either connector (the stock one sees
+    no model config, only the offloading config's KV dtype)."""
+    assert _namespace(cache_dtype="fp8", connector=connector) != _namespace(connector=connector)

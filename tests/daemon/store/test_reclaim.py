@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from kvoffload.connector.session import ReaderRecord
+from kvoffload.connector.reader_record import ReaderRecord
 from kvoffload.daemon.base import Geometry, GroupKind, GroupSpec
 from kvoffload.daemon.store.index import BlockIndex, SlotState
 from kvoffload.daemon.store.pool import Pool

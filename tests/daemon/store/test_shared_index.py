@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from kvoffload.connector.index_view import IndexGone, IndexView, SlotGenerations
-from kvoffload.connector.session import ReaderRecord
+from kvoffload.connector.reader_record import ReaderRecord
 from kvoffload.daemon.store import shared_index as si
 from kvoffload.daemon.store.session_file import SessionFile, session_glob
 
