@@ -284,6 +284,8 @@ NOT_SETTINGS_ENV = frozenset({
     "KVOFFLOAD_ALLOW_UNTESTED_VLLM",  # connector/vllm/settings.py
     "KVOFFLOAD_BENCH_DIR",  # bench/copy_buffers.py
     "KVOFFLOAD_DYNAMO_VENV",  # scripts/setup_dynamo.sh, tests/dynamo_helpers.py
+    # scripts/mutants.py sets both for the tests it runs, whose daemons inherit them.
+    "KVOFFLOAD_MUTANT_ROOT", "KVOFFLOAD_STRESS_S",
 })
 # Set-up and test switches: every KVOFFLOAD_SKIP_* (SKIP_VLLM, SKIP_APT, SKIP_MOONCAKE,
 # SKIP_PROMETHEUS, SKIP_DYNAMO and any later one); no setting starts with it.
