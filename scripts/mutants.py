@@ -70,6 +70,10 @@ MUTANTS = [
            "            pass\n",
            ("tests/daemon/control/test_quarantine.py::test_a_re_attached_engine_releases_its"
             "_earlier_session_at_once",)),
+    Mutant("a reused pool ignores the previous daemon's writers", "daemon/store/index.py",
+           "            return None  # a previous daemon's writer may still copy into any free slot",
+           "            pass",
+           ("tests/daemon/state/test_restart_writers.py",)),
     Mutant("reclamation ignores the reader floor", "daemon/store/reclaim.py",
            "        while self._retired and (floor is None or self._retired[0][0] <= floor):",
            "        while self._retired:",

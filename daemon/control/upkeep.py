@@ -45,6 +45,8 @@ class ServiceUpkeep:
         if gone:
             self.metrics.leases_expired.inc(len(gone))
             self.metrics.clients.set(len(self.leases))
+        if self.index.previous is not None:  # a previous daemon's sessions: removed once free
+            self.index.previous.gone()
         if self.index.reclaimer.quarantined:  # writers may have gone since the last step
             self.index.reclaim()
         if gone or self.index.reclaimer.quarantined:

@@ -25,6 +25,7 @@ from kvoffload.daemon.store import shared_index as si
 from kvoffload.daemon.store.eviction import EvictionPolicy, make_policy
 from kvoffload.daemon.store.pool import Pool
 from kvoffload.daemon.store.reclaim import Reclaimer, Writers
+from kvoffload.daemon.store.session_file import PreviousSessions
 from kvoffload.daemon.store.slot_arrays import SlotTable
 from kvoffload.daemon.store.slot_states import (  # noqa: F401 - re-exported: callers use index.X
     _SHARED_STATE,
@@ -53,6 +54,8 @@ class BlockIndex(SlotTable):
         self._share: tuple[str, str] | None = None
         self.reclaimer = Reclaimer()
         self.owners: dict[str, int] = {}  # engine instance -> owner id (0: nobody known)
+        self.previous: PreviousSessions | None = None  # a previous daemon's engine sessions
+        self._hold_for_previous = False
         self._size(0)
 
     def share(self, path: str, daemon_id: str) -> None:
@@ -66,6 +69,11 @@ class BlockIndex(SlotTable):
         self.policy = make_policy(self.policy_name, self.pool.num_slots,
                                   identity=self._block_identity)
         if self._share is not None:
+            self.previous = PreviousSessions(self._share[0])
+            # A pool file reused in place (a warm restart): an engine of the previous daemon
+            # may still be copying into a slot it was granted there. No slot that was not
+            # committed is handed out until every such writer is gone (its lock is free).
+            self._hold_for_previous = bool(self.previous) and not self.pool.created
             self.shared = si.SharedIndexWriter(self._share[0], self.pool.num_slots,
                                                self._share[1])
 
@@ -124,6 +132,9 @@ class BlockIndex(SlotTable):
 
     def _alloc(self, evicted: list[tuple[Namespace, bytes, int]]) -> int | None:
         """A free slot, reclaiming retired ones, else evicting one unpinned READY block."""
+        if self._hold_for_previous and self.previous is not None and not self.previous.gone():
+            return None  # a previous daemon's writer may still copy into any free slot
+        self._hold_for_previous = False
         slot = self.pool.alloc()
         if slot is None:
             self.reclaim()

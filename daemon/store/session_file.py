@@ -28,6 +28,7 @@ import mmap
 import os
 import secrets
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,12 +38,43 @@ RECORD = struct.Struct("<IIQQ")  # seq, busy, epoch, sent
 HEARTBEAT_OFFSET = 24
 FILE_BYTES = 64
 PREFIX = ".s-"
+CHECK_S = 0.02  # how often a lock is tried (a system call each)
 
 
 def session_glob(index_path: str | Path) -> str:
     """The pattern of every session file of an index (an earlier daemon's included)."""
     p = Path(index_path)
     return f"{p.name}{PREFIX}*"
+
+
+class PreviousSessions:
+    """The session files a previous daemon of this index left (killed, so never removed),
+    opened only to wait for their writers; each is removed once its lock is free. A symlink or
+    a file too short to be one, planted under such a name, is removed, never followed."""
+
+    def __init__(self, index_path: str | Path) -> None:
+        self.files: list[SessionFile] = []
+        self._next_check = 0.0
+        for path in sorted(Path(index_path).parent.glob(session_glob(index_path))):
+            try:
+                self.files.append(SessionFile(index_path, path=path))
+            except (OSError, ValueError):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def gone(self) -> bool:
+        """True once none of their writers can still copy (tried at most every 20 ms)."""
+        now = time.monotonic()
+        if self.files and now >= self._next_check:
+            self._next_check = now + CHECK_S
+            keep = []
+            for f in self.files:
+                (f.close() if f.writers_gone() else keep.append(f))
+            self.files = keep
+        return not self.files
 
 
 class SessionFile:
