@@ -163,7 +163,7 @@ class Server(ControlFrames, ServerStartup):
                "lookup_events": ev.lookups.bound_endpoint if ev.lookups else None,
                "hub": ev.hub.bound_endpoint if ev.hub else None,
                "hub_replay": ev.hub.bound_replay_endpoint if ev.hub else None}
-        return {"endpoints": {k: v for k, v in eps.items() if v}}
+        return {"endpoints": {k: v for k, v in eps.items() if v}, **ev.view_status()}
 
     async def start(self) -> None:
         self._lock_ipc()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -67,3 +69,53 @@ def end_step(connector: Any) -> Any:
     from kvoffload.bench.vllm_baseline import end_step as close_step
 
     return close_step(connector)
+
+
+def wait_until(cond: Callable[[], bool], seconds: float = 15) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def hold_first(worker: Any, where: str) -> tuple[threading.Event, threading.Event]:
+    """Hold the first store (``where`` = "copy": after the lock and pre-check, "submit":
+    before the lock) or load ("load": before its bytes are copied) of ``worker``; returns
+    (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+
+    if where == "submit":
+        submit_store = worker.submit_store
+
+        def held_submit(job_id: int, src: Any, dst: Any) -> bool:
+            hold()
+            return bool(submit_store(job_id, src, dst))
+
+        worker.submit_store = held_submit
+        return entered, release
+    original = worker._copier_for
+
+    def copier_for(pool: Any) -> Any:
+        copier = original(pool)
+        if getattr(copier, "_held", False):
+            return copier
+        name = "submit_load" if where == "load" else "submit_store"
+        submit = getattr(copier, name)
+
+        def held(job_id: int, items: Any) -> bool:
+            hold()
+            return bool(submit(job_id, items))
+
+        setattr(copier, name, held)
+        copier._held = True
+        return copier
+
+    worker._copier_for = copier_for
+    return entered, release

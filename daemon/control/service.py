@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import msgspec
 from kvoffload.daemon.base import KeyStatus
 from kvoffload.daemon.config import Config
 from kvoffload.daemon.control import protocol as p
@@ -81,7 +82,7 @@ class Service(ServiceUpkeep):
         ``peer``: who connected (CURVE key or tcp address), for the identities-per-peer cap."""
         self.metrics.requests.labels(type(msg).__name__.lower()).inc()
         if self.draining and not isinstance(msg, (p.CommitStore, p.CompleteLoad, p.Heartbeat,
-                                                  p.Bye)):
+                                                  p.Bye, p.Step)):
             raise RequestError(p.ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         client = self.leases.seen(identity, peer)
         if client is None:
@@ -159,7 +160,11 @@ class Service(ServiceUpkeep):
                     f"slot must be {low}..{pool.pool_bytes // MIN_SLOTS} bytes for a pool of "
                     f"{pool.pool_bytes} bytes ({MIN_SLOTS}..{MAX_SLOTS} slots); set "
                     "--slot-bytes (or pool_bytes) for the engines of this node")
-            self.index.configure(self.config.slot_bytes or want)
+            try:
+                self.index.configure(self.config.slot_bytes or want)
+            except OSError as exc:  # PrivateFileError too: a planted or foreign index file
+                raise RequestError(p.ErrorCode.INTERNAL, f"cannot publish the shared index: "
+                                   f"{exc}") from None
         if g.slot_bytes() > pool.slot_bytes:
             raise RequestError(p.ErrorCode.GEOMETRY_MISMATCH,
                                f"one block of this engine needs {g.slot_bytes()} bytes; pool "
@@ -379,7 +384,15 @@ class Service(ServiceUpkeep):
         self._check_keys(ns, [r.key for refs in (msg.pins, msg.releases, msg.commits,
                                                  msg.aborts) for r in refs]
                          + [c.item.key for c in msg.claims] + list(msg.finds))
+        if self.draining:
+            # Its releases, commits, aborts and unreserves still apply (the drain waits for
+            # pins to go); nothing new is pinned, claimed, reserved or fetched.
+            lost, refused = [r.key for r in msg.pins], [c.item.key for c in msg.claims]
+            msg = msgspec.structs.replace(msg, pins=[], claims=[], reserve=0, finds=[])
         reply = self.steps.handle(client, ns, msg)
+        if self.draining:
+            reply.lost += lost
+            reply.refused += refused
         self._update_pool_gauges()
         return reply
 

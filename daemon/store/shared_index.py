@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 from kvoffload.daemon.store import fence
+from kvoffload.daemon.store import private_files as pf
 
 log = logging.getLogger("kvoffload.daemon")
 
@@ -127,11 +128,13 @@ def supersede(path: Path) -> bool:
         log.warning("cannot open the old shared index %s to supersede it: %s", path, exc)
         return False
     try:
-        if os.fstat(fd).st_size >= HEADER_BYTES:
-            with mmap.mmap(fd, HEADER_BYTES) as mm:
-                if mm[:8] == MAGIC:
-                    (flags,) = SEQ.unpack_from(mm, FLAGS_OFFSET)
-                    SEQ.pack_into(mm, FLAGS_OFFSET, flags | FLAG_SUPERSEDED)
+        if os.fstat(fd).st_size < HEADER_BYTES:
+            return False
+        with mmap.mmap(fd, HEADER_BYTES) as mm:
+            if mm[:8] != MAGIC:
+                return False  # not an index: left as it is (creating ours then refuses it)
+            (flags,) = SEQ.unpack_from(mm, FLAGS_OFFSET)
+            SEQ.pack_into(mm, FLAGS_OFFSET, flags | FLAG_SUPERSEDED)
         path.unlink(missing_ok=True)
     finally:
         os.close(fd)
@@ -149,11 +152,11 @@ class SharedIndexWriter:
         supersede(self.path)
         size = file_bytes(num_slots)
         # Readable by the engines (which run as other users in some deployments: the same
-        # rule as the pool file), written by the daemon alone. O_EXCL|O_NOFOLLOW: a file or
-        # symlink planted at this path after ``supersede`` removed ours is refused, not used.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        # rule as the pool file), written by the daemon alone. Created fresh (private_files):
+        # a file or symlink planted at this path is refused in one line, never used.
+        fd = pf.create_private(self.path, size, kind=pf.KIND_INDEX, setting="pool_path",
+                               what="shared index", legacy=pf.starts_with(MAGIC))
         try:
-            os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
         finally:
             os.close(fd)

@@ -72,6 +72,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # No argparse choices: a bad value gets the same one line as from a file or the env.
     s.add_argument("--policy", help="eviction policy: lru (default) or arc")
     s.add_argument("--lease-ms", type=int, help="client lease in milliseconds (10000)")
+    s.add_argument("--drain-ms", type=int,
+                   help="on SIGTERM, longest wait for loads in flight before stopping (5000)")
     s.add_argument("--log-format", choices=["text", "json"])
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     s.add_argument("--curve-server-key", help="daemon secret key file: CURVE on the control "

@@ -20,15 +20,13 @@ from __future__ import annotations
 import hashlib
 import mmap
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.daemon_helpers import run_daemon
-from tests.plugin_common import connect, plugin_config
+from tests.plugin_common import connect, hold_first, plugin_config, wait_until
 from tests.vllm_harness import vllm_import_error
 
 pytestmark = [
@@ -38,56 +36,6 @@ pytestmark = [
 
 SLOT = 4096
 PROMPT = list(range(500, 530))
-
-
-def _wait(cond: Callable[[], bool], seconds: float = 15) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
-def _hold_first(worker: Any, where: str) -> tuple[threading.Event, threading.Event]:
-    """Hold the first store (``where`` = "copy": after the lock and pre-check, "submit":
-    before the lock) or load ("load": before its bytes are copied) of ``worker``; returns
-    (entered, release)."""
-    entered, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        if not entered.is_set():
-            entered.set()
-            release.wait(30)
-
-    if where == "submit":
-        submit_store = worker.submit_store
-
-        def held_submit(job_id: int, src: Any, dst: Any) -> bool:
-            hold()
-            return bool(submit_store(job_id, src, dst))
-
-        worker.submit_store = held_submit
-        return entered, release
-    original = worker._copier_for
-
-    def copier_for(pool: Any) -> Any:
-        copier = original(pool)
-        if getattr(copier, "_held", False):
-            return copier
-        name = "submit_load" if where == "load" else "submit_store"
-        submit = getattr(copier, name)
-
-        def held(job_id: int, items: Any) -> bool:
-            hold()
-            return bool(submit(job_id, items))
-
-        setattr(copier, name, held)
-        copier._held = True
-        return copier
-
-    worker._copier_for = copier_for
-    return entered, release
 
 
 def _engine(control: str) -> Any:
@@ -129,7 +77,7 @@ def test_a_frozen_writers_late_store_never_overwrites_another_writers_block(
     with run_daemon(tmp_path, "--lease-ms", "300", pool_bytes=32 * SLOT, slot_bytes=SLOT) as d:
         a = _engine(d.control)
         ours = a.worker._handover.worker
-        entered, release = _hold_first(ours, where)
+        entered, release = hold_first(ours, where)
         a.add(PROMPT, "a", max_tokens=2)
         runner = threading.Thread(target=a.run, daemon=True)
         runner.start()
@@ -137,7 +85,7 @@ def test_a_frozen_writers_late_store_never_overwrites_another_writers_block(
         _freeze(a)
         other = connect(d.control, a.connector.scheduler.manager.geometry)
         # Its lease runs out: its grants are revoked (and quarantined while it holds the lock).
-        assert _wait(lambda: other.stats()["clients"] == 1)
+        assert wait_until(lambda: other.stats()["clients"] == 1)
         with open(d.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as pool:
             written = _flood(other, pool, where)
             assert written
@@ -161,7 +109,7 @@ def test_a_load_whose_slot_went_to_another_writer_mid_copy_is_recomputed(
         assert a.scheduler.reset_prefix_cache()
         a.scribble()
         ours = a.worker._handover.worker
-        entered, release = _hold_first(ours, "load")
+        entered, release = hold_first(ours, "load")
         seen: dict[str, bool] = {}
 
         def on_loaded(req_id: str) -> None:  # what the model reads once the load is done
@@ -180,7 +128,7 @@ def test_a_load_whose_slot_went_to_another_writer_mid_copy_is_recomputed(
         assert entered.wait(30)
         _freeze(a)
         other = connect(d.control, a.connector.scheduler.manager.geometry)
-        assert _wait(lambda: other.stats()["clients"] == 1)  # its pins went with its lease
+        assert wait_until(lambda: other.stats()["clients"] == 1)  # its pins went with its lease
         with open(d.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as pool:
             assert _flood(other, pool, "load")  # evicts its blocks and reuses their slots
             release.set()

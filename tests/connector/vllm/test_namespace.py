@@ -58,7 +58,7 @@ def _namespace(model: Any = None, hash_algo: str = "sha256", connector: str = "o
     vc.model_config = model or _model()
     vc.cache_config.prefix_caching_hash_algo = hash_algo  # type: ignore[assignment]
     if cache_dtype is not None:
-        vc.cache_config.cache_dtype = cache_dtype  # type: ignore[assignment]
+        vc.cache_config.cache_dtype = cache_dtype
     cls = KVOffloadConnector if connector == "ours" else OffloadingConnector
     conn = cls(vc, KVConnectorRole.WORKER, hybrid_kv_cache_config())
     try:
