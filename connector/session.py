@@ -304,8 +304,8 @@ class IndexSession:
             return None  # lost while reading replies
         record.write(True, view.applied, self._sent)  # busy from before the read on
         fence.full()  # ... visible to the daemon before we read what it published
-        view.refresh()
-        record.write(True, view.applied, self._sent)
+        if view.refresh():  # the record holds the epoch read past: only a move needs it
+            record.write(True, view.applied, self._sent)
         self._busy = True
         return replies
 
