@@ -20,7 +20,7 @@ from kvoffload.daemon.control.service import Service
 from kvoffload.daemon.ops.http import HttpServer
 from kvoffload.daemon.ops.metrics import DaemonMetrics
 from kvoffload.daemon.preflight import StartFault, probe_state_dir, remove_folders, secure_dir
-from kvoffload.daemon.state.journal import Journal, recover_state
+from kvoffload.daemon.state.journal import Journal, StateDirError, recover_state
 from kvoffload.daemon.store import private_files as pf
 from kvoffload.daemon.store import shared_index as si
 from kvoffload.daemon.store.index import BlockIndex
@@ -143,27 +143,39 @@ class ServerStartup:
 
     def _recover(self, state_dir: Path) -> None:
         """Warm restart from the state dir, or a cold start when it cannot be used
-        (``state_dir_errors = "cold"``, the default) or one line (``"refuse"``)."""
+        (``state_dir_errors = "cold"``, the default) or one line (``"refuse"``). Whatever
+        the folder holds, the start never ends in a traceback."""
         why = probe_state_dir(state_dir)
         if why is None:
             try:
                 self.journal = recover_state(state_dir, self.index, self.metrics.registry,
-                                             self.config.slot_bytes, self.service._block_added)
+                                             self.config.slot_bytes, self.service._block_added,
+                                             errors=self.config.state_dir_errors)
+            except StateDirError as exc:  # refused: the message names the folder and why
+                raise StartupError(f"{exc}; fix it, or set state_dir_errors = \"cold\" to "
+                                   "start without warm restart") from None
             except OSError as exc:  # after the probe passed: the disk failed meanwhile
-                raise StartupError(f"state_dir {state_dir}: recovery failed: "
-                                   f"{exc.strerror or exc}; fix the folder or start without "
-                                   "--state-dir") from None
-            for ns in self.index.namespaces:  # re-announced once their payload is known
-                for key, slot in ns.keys.items():
-                    self.events.recovered(ns, key, slot, bool(self.index.tail[slot]))
-            return
+                why = f"recovery failed: {exc.strerror or exc}"
+            except Exception as exc:  # a state dir no check foresaw: still one line
+                if self.index.namespaces:  # blocks half restored: not a cold start any more
+                    raise StartupError(f"state_dir {state_dir}: recovery failed: "
+                                       f"{type(exc).__name__}: {exc}; move the folder away or "
+                                       "start without --state-dir") from None
+                why = f"recovery failed: {type(exc).__name__}: {exc}"
+            else:
+                for ns in self.index.namespaces:  # re-announced once their payload is known
+                    for key, slot in ns.keys.items():
+                        self.events.recovered(ns, key, slot, bool(self.index.tail[slot]))
+                return
         if self.config.state_dir_errors == "refuse":
             raise StartupError(f"state_dir {state_dir}: {why}; fix it, or set "
                                "state_dir_errors = \"cold\" to start without warm restart")
         self.state_dir_faulty.set(1)
-        log.warning("STATE DIR UNUSABLE: state_dir %s: %s. Starting COLD: nothing is recovered "
-                    "and nothing is journaled until it is fixed and the daemon restarted "
-                    "(state_dir_errors = \"refuse\" stops the start instead)", state_dir, why)
+        kept = len(self.index)  # blocks restored before the disk failed: validated, served
+        log.warning("STATE DIR UNUSABLE: state_dir %s: %s. Starting COLD: %s and nothing is "
+                    "journaled until it is fixed and the daemon restarted (state_dir_errors = "
+                    "\"refuse\" stops the start instead)", state_dir, why,
+                    f"{kept} blocks recovered" if kept else "nothing is recovered")
 
     def _write_ready_file(self) -> None:
         """Written whole, then renamed: a watcher never reads a half-written file."""

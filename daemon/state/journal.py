@@ -38,7 +38,9 @@ from kvoffload.daemon.state.snapshot import (
     Entry,
     Recovery,
     State,
+    StateFileError,
     _enc,
+    fits_any,
     frame,
     load_state,
     restore,
@@ -116,11 +118,17 @@ class Journal:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def start(self, recovered: Iterable[tuple[Namespace, Entry]]) -> None:
-        """Begin a new epoch holding exactly the recovered blocks (ids of this daemon run)."""
+    def start(self, recovered: Iterable[tuple[Namespace, Entry]],
+              epoch: int | None = None) -> None:
+        """Begin a new epoch holding exactly the recovered blocks (ids of this daemon run).
+        ``epoch``: the one recovered from (None: read it from the files)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        old = load_state(self.dir)
-        st = State(epoch=old.epoch + 1, slot_bytes=self.pool.slot_bytes,
+        if epoch is None:
+            try:
+                epoch = load_state(self.dir).epoch
+            except StateFileError:  # replaced below by a fresh snapshot
+                epoch = 0
+        st = State(epoch=epoch + 1, slot_bytes=self.pool.slot_bytes,
                    pool_bytes=self.pool.pool_bytes)
         for ns, e in recovered:
             if ns.id not in st.geometries:
@@ -230,14 +238,28 @@ class Journal:
         log.debug("journal compacted: %d blocks in snapshot epoch %d", len(st.live), st.epoch)
 
 
+class StateDirError(Exception):
+    """The state dir cannot be used and ``state_dir_errors = "refuse"``: one line, why."""
+
+
+def _unusable(path: Path, errors: str, why: str) -> None:
+    """A state dir whose content cannot be used: refused, or one loud line and a cold start."""
+    if errors == "refuse":
+        raise StateDirError(f"state_dir {path}: {why}")
+    log.error("state dir %s: %s: starting cold, nothing recovered", path, why)
+
+
 def recover_state(state_dir: str | Path, index: BlockIndex, registry: CollectorRegistry,
                   slot_bytes: int = 0,
-                  notify: Callable[[Namespace, bytes, int], None] | None = None) -> Journal:
+                  notify: Callable[[Namespace, bytes, int], None] | None = None,
+                  errors: str = "cold") -> Journal:
     """At start, before clients: rebuild the index from the state dir and start journaling.
 
     ``slot_bytes`` is the configured slot size (0: the journal's, else the first engine's).
     Every recovered block is validated against the pool file; what fails is discarded and
-    counted in ``kvoffload_recovery_blocks_total{outcome}``.
+    counted in ``kvoffload_recovery_blocks_total{outcome}``. A state dir that cannot be used
+    at all (a file that is not one, an impossible header) raises ``StateDirError`` when
+    ``errors`` is ``"refuse"``, else starts cold with one error line.
     """
     outcomes = Counter("kvoffload_recovery_blocks_total",
                        "Blocks found in the state dir at start, by outcome.", ["outcome"],
@@ -247,23 +269,24 @@ def recover_state(state_dir: str | Path, index: BlockIndex, registry: CollectorR
     state_path.mkdir(parents=True, exist_ok=True)
     try:
         state = load_state(state_path)
-    except (OSError, MemoryError, RecursionError, ValueError) as exc:
-        # Unreadable or absurd state is no reason not to serve: start cold, say so loudly.
-        log.error("state dir %s cannot be read (%s): starting cold, nothing recovered",
-                  state_path, exc)
+    except (StateFileError, OSError, MemoryError, RecursionError, ValueError) as exc:
+        # Unreadable or absurd state is no reason not to serve (unless told to refuse).
+        _unusable(state_path, errors, f"cannot be read ({exc})")
         state = State()
     if state.skipped:
         log.warning("state dir %s: %d corrupt, truncated or invalid journal records ignored",
                     state_path, state.skipped)
     if state.live and not pool.configured:
         size = slot_bytes or state.slot_bytes
-        if slot_bytes or (0 < size <= pool.pool_bytes and
-                          pool.pool_bytes // size <= MAX_RECOVERED_SLOTS):
-            index.configure(size)
+        if not slot_bytes and not (0 < size <= pool.pool_bytes and
+                                   pool.pool_bytes // size <= MAX_RECOVERED_SLOTS):
+            _unusable(state_path, errors, f"records slot size {size}, impossible for a pool "
+                      f"of {pool.pool_bytes} bytes (at most {MAX_RECOVERED_SLOTS} slots)")
+        elif not slot_bytes and not fits_any(state, size):
+            _unusable(state_path, errors, f"none of its namespaces is a valid geometry whose "
+                      f"block fits its slot size {size}")
         else:
-            log.error("state dir %s records slot size %d, impossible for a pool of %d bytes "
-                      "(at most %d slots): starting cold, nothing recovered", state_path, size,
-                      pool.pool_bytes, MAX_RECOVERED_SLOTS)
+            index.configure(size)
     if state.live and not pool.configured:
         rec = Recovery([], collections.Counter(slot_size_invalid=len(state.live)))
     elif state.live:
@@ -280,6 +303,7 @@ def recover_state(state_dir: str | Path, index: BlockIndex, registry: CollectorR
         for ns, key, slot in restored:
             notify(ns, key, slot)
     journal = Journal(state_path, pool)
-    journal.start((ns, e) for (ns, _, _), (_, e) in zip(restored, rec.good, strict=True))
+    journal.start(((ns, e) for (ns, _, _), (_, e) in zip(restored, rec.good, strict=True)),
+                  epoch=state.epoch)
     journal.attach(index)
     return journal

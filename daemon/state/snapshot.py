@@ -7,8 +7,10 @@ Written by ``daemon/state/journal.py``'s writer; read back at start by ``recover
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Iterator
@@ -19,7 +21,8 @@ from typing import Any
 
 import msgspec
 from kvoffload.daemon.base import Geometry
-from kvoffload.daemon.lookup import plan as lk
+from kvoffload.daemon.control.errors import MAX_KEY_BYTES, RequestError
+from kvoffload.daemon.control.registration import MAX_NAMESPACES, validate_geometry
 from kvoffload.daemon.store.index import BlockIndex, Namespace
 from kvoffload.daemon.store.pool import Pool
 
@@ -32,11 +35,13 @@ _FRAME = struct.Struct("<II")  # payload length, crc32 of the payload
 _MAX_RECORD = 1 << 20  # a longer length field is garbage: resynchronise after it
 _TAGS = frozenset("HNCD")
 _U32 = 1 << 32
-_MAX_KEY = 128  # daemon/control/errors.py MAX_KEY_BYTES: no stored key is longer
 # A state dir is untrusted input: its slot size may not make the pool hold more slots than a
 # client could make it (service.py bounds a first engine's block the same way), else one
 # crafted header would make every start allocate bookkeeping for billions of slots.
 MAX_RECOVERED_SLOTS = 1 << 21
+# Longer than any file a daemon writes (2M blocks of ~100-byte records, a journal compacted at
+# twice that): a larger one is not read into memory.
+MAX_STATE_FILE = 1 << 30
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
 _geom_dec = msgspec.msgpack.Decoder(Geometry)
@@ -77,6 +82,35 @@ def _record_at(data: memoryview, off: int) -> tuple[list[Any], int] | None:
     return rec, start + n
 
 
+class StateFileError(Exception):
+    """A state file that cannot be read as one (not a regular file, too large): the whole
+    state dir is unusable, which ``state_dir_errors`` turns into a refusal or a cold start."""
+
+
+def _read_file(path: Path) -> bytes | None:
+    """The file's bytes, or None when it does not exist. Opened without following a symlink
+    and without blocking (a FIFO planted there would hang the start, /dev/zero fill memory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StateFileError(f"{path.name} is a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StateFileError(f"{path.name} is not a regular file")
+        if st.st_size > MAX_STATE_FILE:
+            raise StateFileError(f"{path.name} is {st.st_size} bytes, more than any state "
+                                 f"file a daemon writes ({MAX_STATE_FILE})")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(MAX_STATE_FILE + 1)
+    finally:
+        os.close(fd)
+
+
 def read_records(path: Path) -> tuple[list[list[Any]], int]:
     """All intact records of a file and how many damaged stretches were skipped.
 
@@ -87,9 +121,8 @@ def read_records(path: Path) -> tuple[list[list[Any]], int]:
     trustworthy as any other (its own crc32 holds), and replay validates every block against
     the pool's bytes anyway.
     """
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+    raw = _read_file(path)
+    if raw is None:
         return [], 0
     data = memoryview(raw)
     out: list[list[Any]] = []
@@ -166,7 +199,7 @@ class State:
             return len(rec) == 3 and _u(rec[1], 1 << 16) and isinstance(rec[2], bytes)
         if tag in ("C", "D"):
             if len(rec) != (7 if tag == "C" else 4) or not _u(rec[1], 1 << 16) or \
-                    not isinstance(rec[2], bytes) or not 4 < len(rec[2]) <= _MAX_KEY or \
+                    not isinstance(rec[2], bytes) or not 4 < len(rec[2]) <= MAX_KEY_BYTES or \
                     not _u(rec[3]):
                 return False
             return tag == "D" or (_u(rec[4]) and type(rec[5]) is bool and _u(rec[6]))
@@ -251,7 +284,10 @@ def validate(state: State, pool: Pool, workers: int = 4) -> Recovery:
     """Keep the entries whose slot is in range, unique and holds the journaled checksum.
 
     The pool must be configured already; a journal written with another slot size describes
-    a different slot layout, so nothing of it can be trusted.
+    a different slot layout, so nothing of it can be trusted. Everything ``restore`` relies
+    on is checked here, before the index changes: a namespace name holds one geometry (the
+    lowest namespace id of a name wins, the others' blocks are discarded), a key is in one
+    namespace once and names one of its groups, a slot holds one block.
     """
     discarded: collections.Counter[str] = collections.Counter()
     entries = list(state.live.values())
@@ -262,23 +298,23 @@ def validate(state: State, pool: Pool, workers: int = 4) -> Recovery:
                     "recovered blocks", state.slot_bytes, pool.slot_bytes, len(entries))
         discarded["slot_size_mismatch"] = len(entries)
         return Recovery([], discarded)
-    geoms: dict[int, Geometry | None] = {}
+    geoms, why = _namespaces(state, pool, {e.ns for e in entries})
     candidates: list[tuple[Geometry, Entry]] = []
     seen: set[int] = set()
+    names: set[tuple[str, bytes]] = set()
     for e in entries:
-        if e.ns not in geoms:
-            try:
-                g: Geometry | None = _geom_dec.decode(state.geometries[e.ns])
-            except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
-                g = None
-            geoms[e.ns] = g if g is not None and _usable(g, pool) else None
-        geom = geoms[e.ns]
+        geom = geoms.get(e.ns)
         if geom is None:
-            discarded["geometry"] += 1
+            discarded[why[e.ns]] += 1
         elif not 0 <= e.slot < pool.num_slots or e.slot in seen:
             discarded["slot_range"] += 1
+        elif not _key_of(geom, e.key):
+            discarded["key"] += 1
+        elif (geom.namespace, e.key) in names:  # two ids of one name: the key once
+            discarded["duplicate"] += 1
         else:
             seen.add(e.slot)
+            names.add((geom.namespace, e.key))
             candidates.append((geom, e))
     with ThreadPoolExecutor(max_workers=workers) as ex:  # crc32 releases the GIL
         crcs = list(ex.map(lambda e: slot_checksum(pool, e.slot), (e for _, e in candidates)))
@@ -291,12 +327,50 @@ def validate(state: State, pool: Pool, workers: int = 4) -> Recovery:
     return Recovery(good, discarded)
 
 
-def _usable(g: Geometry, pool: Pool) -> bool:
-    """A recorded geometry fits a slot and passes the lookup's own rules (as Register does)."""
+def _namespaces(state: State, pool: Pool, ids: set[int]
+                ) -> tuple[dict[int, Geometry], dict[int, str]]:
+    """The usable geometry of each namespace id, and why each other id is not usable."""
+    geoms: dict[int, Geometry] = {}
+    why: dict[int, str] = {}
+    by_name: dict[str, Geometry] = {}
+    for ns in sorted(ids):  # the lowest id of a name first: the same winner at every start
+        g = _geometry(state, ns, pool.slot_bytes)
+        if g is None:
+            why[ns] = "geometry"
+        elif by_name.setdefault(g.namespace, g) != g:
+            why[ns] = "geometry_conflict"  # Register would refuse the second one too
+        elif len(by_name) > MAX_NAMESPACES:
+            del by_name[g.namespace]
+            why[ns] = "namespaces"
+        else:
+            geoms[ns] = g
+    return geoms, why
+
+
+def _geometry(state: State, ns: int, slot_bytes: int) -> Geometry | None:
+    """Namespace ``ns``'s recorded geometry if it passes Register's checks and fits a slot."""
     try:
-        lk.plan_for(g)
-        return 0 < g.slot_bytes() <= pool.slot_bytes and g.tokens_per_hash > 0
-    except (ValueError, ZeroDivisionError, TypeError):
+        g = _geom_dec.decode(state.geometries[ns])
+        validate_geometry(g, 0)
+        return g if 0 < g.slot_bytes() <= slot_bytes else None
+    except (KeyError, msgspec.DecodeError, msgspec.ValidationError, RequestError, ValueError,
+            ZeroDivisionError, TypeError, OverflowError):
+        return None
+
+
+def fits_any(state: State, slot_bytes: int) -> bool:
+    """Whether a block of the state could be kept in slots of ``slot_bytes``: a state that
+    holds none must not size the pool (the first engine does, as on a cold start)."""
+    return any(_geometry(state, ns, slot_bytes) is not None
+               for ns in {e.ns for e in state.live.values()})
+
+
+def _key_of(g: Geometry, key: bytes) -> bool:
+    """The key names one of the geometry's groups (the metrics and events look it up)."""
+    try:
+        g.group_pos(key)
+        return True
+    except ValueError:
         return False
 
 
@@ -306,11 +380,15 @@ def slot_checksum(pool: Pool, slot: int) -> int:
 
 
 def restore(index: BlockIndex, recovery: Recovery) -> list[tuple[Namespace, bytes, int]]:
-    """Re-admit validated blocks as READY; returns (namespace, key, slot) of each."""
+    """Re-admit validated blocks as READY; returns (namespace, key, slot) of each.
+
+    Namespaces first, then the slots leave the free list, then the blocks: nothing here can
+    fail on what ``validate`` passed, and no slot is ever READY while it is still free."""
+    spaces = {id(geom): index.namespace(geom) for geom, _ in recovery.good}
+    index.pool.claim(e.slot for _, e in recovery.good)
     out: list[tuple[Namespace, bytes, int]] = []
     for geom, e in recovery.good:
-        ns = index.namespace(geom)
+        ns = spaces[id(geom)]
         index.restore(ns, e.key, e.slot, e.end_token, e.tail)
         out.append((ns, e.key, e.slot))
-    index.pool.claim(slot for _, _, slot in out)
     return out
