@@ -343,6 +343,7 @@ class Server(ControlFrames, ServerStartup):
             self.journal = None
         if self.index.shared is not None:  # engines stop trusting it before the pool goes
             self.index.shared.close()
+        self.service.close_sessions()
         # Without a state dir nothing can reuse the pool file: give its memory back. Nor
         # after a refused start that created it: nothing half-started stays.
         self.pool.close(remove=self.config.state_dir is None or

@@ -85,6 +85,18 @@ class ServiceUpkeep:
         self._update_pool_gauges()
         return released
 
+    def close_sessions(self) -> None:
+        """At shutdown: remove every session file (after the index is superseded, so no
+        engine trusts what it read). A previous daemon's file whose writer still holds its
+        lock is left for the next daemon to wait on."""
+        for client in self.leases.clients.values():
+            if client.session is not None:
+                client.session.close()
+                client.session = None
+        self.index.reclaimer.close_quarantine()
+        if self.index.previous is not None:
+            self.index.previous.gone()
+
     def _update_pool_gauges(self) -> None:
         idx, pool, m = self.index, self.index.pool, self.metrics
         ready, pending = idx.count(SlotState.READY), idx.count(SlotState.PENDING)

@@ -149,6 +149,12 @@ class Reclaimer:
             self._quarantined.append((writers, list(slots)))
         self._next_quarantine_check = 0.0
 
+    def close_quarantine(self) -> None:
+        """At shutdown: the daemon stops handing out slots, so nothing waits any more."""
+        for writers, _ in self._quarantined:
+            writers.close()
+        self._quarantined = []
+
     def holds(self, writers: Writers) -> bool:
         return any(w is writers for w, _ in self._quarantined)
 

@@ -149,3 +149,14 @@ def test_a_clean_close_releases_everything_now(daemon: DaemonHandle) -> None:
     a.close()
     assert _wait(lambda: _stats(daemon)["clients"] == 1)  # only the stats client: Bye arrived
     assert not Path(path).exists()
+
+
+def test_a_stopped_daemon_leaves_no_session_file(tmp_path: Path) -> None:
+    with run_daemon(tmp_path, pool_bytes=64 * 16384, slot_bytes=16384) as d:
+        a, _ = _session(d.control)
+        assert a.reg is not None
+        path = Path(a.reg.readers_path)
+        assert path.exists()
+        assert d.stop() == 0  # SIGTERM: drain, then shut down with the engine still attached
+        assert not path.exists()
+        a.close()
