@@ -119,3 +119,24 @@ def hold_first(worker: Any, where: str) -> tuple[threading.Event, threading.Even
 
     worker._copier_for = copier_for
     return entered, release
+
+
+def kv_matches(e: Any, req_id: str, prompt: list[int], upto: int = 28) -> bool:
+    """Whether the KV ``e``'s model holds for ``req_id`` is exactly what the fake model
+    computes for ``prompt[:upto]`` (attention rows and the recurrent state)."""
+    from kvoffload.bench.vllm_engine import BLOCK, ROW, state_page, token_row
+
+    attn, mamba = e.block_table(req_id)
+    rows = all(bytes(e.pages["attn.0"][attn[t // BLOCK], ROW * (t % BLOCK):
+                                       ROW * (t % BLOCK + 1)].numpy())
+               == bytes(token_row(prompt, t).numpy()) for t in range(upto))
+    return rows and bytes(e.pages["mamba.0"][mamba[(upto - 1) // BLOCK]].numpy()) == bytes(
+        state_page(prompt[:upto]).numpy())
+
+
+def run_held(e: Any, entered: threading.Event) -> threading.Thread:
+    """Run ``e`` on a thread until its held job is reached (``hold_first``)."""
+    runner = threading.Thread(target=e.run, daemon=True)
+    runner.start()
+    assert entered.wait(30), "the held job was never reached"
+    return runner

@@ -10,15 +10,13 @@ model reads exactly the stored bytes; then the daemon exits 0.
 from __future__ import annotations
 
 import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.daemon_helpers import DaemonHandle, run_daemon
-from tests.plugin_common import hold_first, plugin_config, wait_until
+from tests.plugin_common import hold_first, kv_matches, plugin_config, run_held, wait_until
 from tests.vllm_harness import vllm_import_error
 
 pytestmark = [
@@ -37,7 +35,7 @@ def daemon(tmp_path: Path) -> Iterator[DaemonHandle]:
 
 
 def test_sigterm_with_a_load_in_flight_fails_no_load(daemon: DaemonHandle) -> None:
-    from kvoffload.bench.vllm_engine import BLOCK, ROW, MiniEngine, state_page, token_row
+    from kvoffload.bench.vllm_engine import MiniEngine
 
     e = MiniEngine(plugin_config(daemon.control, kvoffload_copy_async=False,
                                  kvoffload_liveness_ms=60_000),
@@ -50,19 +48,11 @@ def test_sigterm_with_a_load_in_flight_fails_no_load(daemon: DaemonHandle) -> No
     seen: dict[str, bool] = {}
 
     def on_loaded(req_id: str) -> None:
-        attn, mamba = e.block_table(req_id)
-        seen["correct"] = all(
-            bytes(e.pages["attn.0"][attn[t // BLOCK], ROW * (t % BLOCK):
-                                    ROW * (t % BLOCK + 1)].numpy())
-            == bytes(token_row(PROMPT, t).numpy()) for t in range(28)) and bytes(
-            e.pages["mamba.0"][mamba[27 // BLOCK]].numpy()) == bytes(
-            state_page(PROMPT[:28]).numpy())
+        seen["correct"] = kv_matches(e, req_id, PROMPT)
 
     e.on_loaded = on_loaded
     e.add(PROMPT, "second", max_tokens=2)
-    runner: Any = threading.Thread(target=e.run, daemon=True)
-    runner.start()
-    assert entered.wait(30)  # the load's slots are pinned; its copy has not run yet
+    runner = run_held(e, entered)  # the load's slots are pinned; its copy has not run yet
     assert daemon.proc is not None
     daemon.proc.send_signal(signal.SIGTERM)
     # Draining: it does not stop while the pin is held (an engine's Step still gets through).

@@ -19,14 +19,20 @@ from __future__ import annotations
 
 import hashlib
 import mmap
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.daemon_helpers import run_daemon
-from tests.plugin_common import connect, hold_first, plugin_config, wait_until
+from tests.plugin_common import (
+    connect,
+    hold_first,
+    kv_matches,
+    plugin_config,
+    run_held,
+    wait_until,
+)
 from tests.vllm_harness import vllm_import_error
 
 pytestmark = [
@@ -79,9 +85,7 @@ def test_a_frozen_writers_late_store_never_overwrites_another_writers_block(
         ours = a.worker._handover.worker
         entered, release = hold_first(ours, where)
         a.add(PROMPT, "a", max_tokens=2)
-        runner = threading.Thread(target=a.run, daemon=True)
-        runner.start()
-        assert entered.wait(30)
+        runner = run_held(a, entered)
         _freeze(a)
         other = connect(d.control, a.connector.scheduler.manager.geometry)
         # Its lease runs out: its grants are revoked (and quarantined while it holds the lock).
@@ -100,8 +104,6 @@ def test_a_frozen_writers_late_store_never_overwrites_another_writers_block(
 
 def test_a_load_whose_slot_went_to_another_writer_mid_copy_is_recomputed(
         tmp_path: Path) -> None:
-    from kvoffload.bench.vllm_engine import BLOCK, ROW, state_page, token_row
-
     with run_daemon(tmp_path, "--lease-ms", "300", pool_bytes=32 * SLOT, slot_bytes=SLOT) as d:
         a = _engine(d.control)
         a.add(PROMPT, "first", max_tokens=2)
@@ -113,19 +115,11 @@ def test_a_load_whose_slot_went_to_another_writer_mid_copy_is_recomputed(
         seen: dict[str, bool] = {}
 
         def on_loaded(req_id: str) -> None:  # what the model reads once the load is done
-            attn, mamba = a.block_table(req_id)
-            seen["correct"] = all(
-                bytes(a.pages["attn.0"][attn[t // BLOCK], ROW * (t % BLOCK):
-                                        ROW * (t % BLOCK + 1)].numpy())
-                == bytes(token_row(PROMPT, t).numpy()) for t in range(28)) and bytes(
-                a.pages["mamba.0"][mamba[27 // BLOCK]].numpy()) == bytes(
-                state_page(PROMPT[:28]).numpy())
+            seen["correct"] = kv_matches(a, req_id, PROMPT)
 
         a.on_loaded = on_loaded
         a.add(PROMPT, "second", max_tokens=2)
-        runner = threading.Thread(target=a.run, daemon=True)
-        runner.start()
-        assert entered.wait(30)
+        runner = run_held(a, entered)
         _freeze(a)
         other = connect(d.control, a.connector.scheduler.manager.geometry)
         assert wait_until(lambda: other.stats()["clients"] == 1)  # its pins went with its lease

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ from kvoffload.connector.session import IndexSession
 from kvoffload.daemon.base import Geometry, GroupKind, GroupSpec
 
 from tests.daemon_helpers import DaemonHandle, run_daemon
+from tests.plugin_common import wait_until
 
 GEO = Geometry(namespace="quarantine", groups=(GroupSpec(GroupKind.FULL_ATTENTION, 16, 1024),),
                tokens_per_hash=16)
@@ -61,15 +62,6 @@ def _freeze(s: IndexSession) -> None:
     s._heartbeat.join()
 
 
-def _wait(cond: Callable[[], bool], seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
 def _stats(d: DaemonHandle) -> dict[str, int]:
     from kvoffload.connector.client import DaemonClient
 
@@ -104,7 +96,7 @@ def test_a_frozen_engines_grants_stay_quarantined_while_its_writer_lives(
         _freeze(a)
         # Its lease runs out: every grant gets a new generation at once (a late commit or a
         # late pre-check of it fails) and is quarantined, not handed on.
-        assert _wait(lambda: _stats(daemon)["quarantined"] == len(granted))
+        assert wait_until(lambda: _stats(daemon)["quarantined"] == len(granted))
         assert not any(gens.intact(slot, gen, key_bound=False) for slot, gen in granted)
         mine = {slot for slot, _ in granted}
         b, b_granted = _session(daemon.control, reserve=8)
@@ -114,7 +106,7 @@ def test_a_frozen_engines_grants_stay_quarantined_while_its_writer_lives(
         assert _stats(daemon)["quarantined"] == len(granted)  # a stopped writer still counts
         holder.kill()  # the kernel drops a dead process's lock: the slots come back
         holder.wait()
-        assert _wait(lambda: _stats(daemon)["quarantined"] == 0)
+        assert wait_until(lambda: _stats(daemon)["quarantined"] == 0)
         b.close()
         c.close()
     finally:
@@ -129,7 +121,7 @@ def test_a_re_attached_engine_releases_its_earlier_session_at_once(daemon: Daemo
     old = a.reg
     assert old is not None
     a._lost("test: the daemon looked slow")  # as after a liveness stall
-    assert _wait(lambda: a.settle(), 10)
+    assert wait_until(lambda: a.settle(), 10)
     assert a.reg is not None and a.reg.readers_path != old.readers_path
     # The earlier session's grants were revoked when the new one registered, not a lease
     # later, and with no writer holding its lock they are free again already.
@@ -147,7 +139,7 @@ def test_a_clean_close_releases_everything_now(daemon: DaemonHandle) -> None:
     assert a.reg is not None
     path = a.reg.readers_path
     a.close()
-    assert _wait(lambda: _stats(daemon)["clients"] == 1)  # only the stats client: Bye arrived
+    assert wait_until(lambda: _stats(daemon)["clients"] == 1)  # only the stats client: Bye arrived
     assert not Path(path).exists()
 
 
