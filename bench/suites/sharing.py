@@ -1,34 +1,51 @@
 """sharing suite: one cache for every engine of the node, against per-engine offload.
 
 2 and 4 engines, each vLLM 0.33's own core ``Scheduler`` + WORKER connector
-(``bench/vllm_engine.py``); conversations' turns are routed round-robin over the engines with
-no prefix affinity (what a load balancer without KV awareness does), so a conversation's next
-turn usually lands on another engine than its last one.
+(``bench/vllm_engine.py``); conversations' turns (8-16 conversations x 6 turns, the whole
+history each time) are routed over the engines three ways (bench/routing.py):
+
+* ``round_robin``: turn ``k`` of conversation ``c`` to engine ``(c + k) mod N``: no prefix
+  affinity, every next turn on another engine -- the worst case for per-engine caches;
+* ``sticky``: a conversation stays on engine ``c mod N`` (session affinity) -- their best case;
+* ``kv_aware``: the engine with the longest GPU prefix match (Dynamo's cost: blocks to
+  prefill + active blocks, ties to the least loaded); "active" here: the blocks of the last N
+  requests routed to that engine (turns are served one at a time).
+
+Variants, at equal host memory counted in blocks (bench/vllm_peers.py: vLLM pads a chunk to
+4 KiB, 8x this engine's 512-byte block; at real block sizes equal bytes are equal blocks):
 
 * ``ours``: every engine loads our plugin (``KVOffloadConnector``) against ONE daemon process
-  holding all the host memory; bytes checked on every load;
-* ``vllm``: every engine runs vLLM's own ``CPUOffloadingSpec`` with 1/N of that memory (the same
-  total): an engine only ever finds what it stored itself.
+  of ``slots`` slots; bytes checked on every load;
+* ``vllm``: every engine runs vLLM's own ``CPUOffloadingSpec`` with ``slots / N`` chunks, in
+  each configuration (store policy chunk / request x LRU / ARC); the best per cell is the
+  baseline.
 
 ``offload_hit_tokens`` sums the tokens ``get_num_new_matched_tokens`` answered (what the
-offload tier served, GPU prefix-cache hits excluded). ``ratio`` = ours / vllm offload hits with 2
-engines (target >= 1.8), ``ratio_4`` with 4 (target >= 3). ``seed`` shifts the conversations
-(``kvoffload bench --seeds N``). ``tp2``: the same routing over 2 engines whose 2 TP ranks each
-run in their own process (``bench/tp_ranks.py``), every load checked on every rank.
-Run alone: ``python -m kvoffload.bench.suites.sharing [--full]``.
+offload tier served, GPU prefix-cache hits excluded). ``ratio`` = ours / best vLLM offload
+hits with 2 engines under round-robin (target >= 1.8), ``ratio_4`` with 4 (target >= 3);
+``ratio_<routing>_<N>`` every cell (no target for sticky and KV-aware: reported as they are).
+``seed`` shifts the conversations (``kvoffload bench --seeds N``). ``tp2``: round-robin over 2
+engines whose 2 TP ranks each run in their own process (``bench/tp_ranks.py``), every load
+checked on every rank. Run alone: ``python -m kvoffload.bench.suites.sharing [--full]``.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from kvoffload.bench.proc import daemon_process
+from kvoffload.bench.routing import Route, Router, gpu_match_blocks
 from kvoffload.bench.seeds import reason_of
-from kvoffload.bench.suites.engine_chat import SLOT, _conversations
-from kvoffload.bench.vllm_baseline import mark_not_run
+from kvoffload.bench.suites.engine_chat import _conversations
+from kvoffload.bench.vllm_baseline import make_request, mark_not_run
+from kvoffload.bench.vllm_peers import CONFIGS, offload_engine
 
-TARGETS = {2: 1.8, 4: 3.0}
+TARGETS = {2: 1.8, 4: 3.0}  # round-robin only: the other routings have none
 REPLY = 8
+ROUTINGS = ("round_robin", "sticky", "kv_aware")
+PAGE = 512  # bytes of one block of one group (bench/vllm_engine.py): one pool slot
 
 
 def check_loads(engine: Any, prompts: dict[str, list[int]], out: dict[str, Any]) -> Any:
@@ -50,12 +67,13 @@ def check_loads(engine: Any, prompts: dict[str, list[int]], out: dict[str, Any])
     return check
 
 
-def _route(engines: list[Any], convs: list[list[list[int]]],
-           between_turns: Any = None) -> dict[str, int]:
-    """Every turn of every conversation, round-robin over the engines; tallies per variant.
+def _route(engines: list[Any], convs: list[list[list[int]]], between_turns: Any = None,
+           routing: str = "round_robin") -> dict[str, Any]:
+    """Every turn of every conversation (turn-major: each user's next turn comes after every
+    other user's), each on the engine ``routing`` picks; tallies per variant.
     ``between_turns(turn)`` runs after every conversation's turn ``turn`` (tests tamper)."""
-    out = {"prompt_tokens": 0, "recomputed_tokens": 0, "offload_hit_tokens": 0, "deferrals": 0,
-           "loads": 0, "verify_failures": 0}
+    out: dict[str, Any] = {"prompt_tokens": 0, "recomputed_tokens": 0, "offload_hit_tokens": 0,
+                           "deferrals": 0, "loads": 0, "verify_failures": 0}
     prompts: dict[str, list[int]] = {}
     served: dict[str, int] = {}  # request -> tokens its (last) answered lookup served
     for e in engines:
@@ -69,13 +87,25 @@ def _route(engines: list[Any], convs: list[list[list[int]]],
             return hit, is_async
 
         e.connector.get_num_new_matched_tokens = counting
+    router = Router(routing, len(engines))
+    recent: deque[tuple[int, int]] = deque(maxlen=len(engines))  # (engine, blocks): in flight
     history: list[list[int]] = [[] for _ in convs]
     for turn in range(len(convs[0])):
         for c, conv in enumerate(convs):
-            # Round-robin over arrivals, no affinity: each turn lands on the next engine.
-            e = engines[(c + turn) % len(engines)]
             prompt = history[c] + conv[turn]
             req_id = f"c{c}t{turn}"
+            blocks = -(-len(prompt) // 16)
+            loads = [float(sum(b for k, b in recent if k == i)) for i in range(len(engines))]
+            matches = None
+            if router.kv_aware:
+                probe = make_request(prompt, "route-probe", 4)
+
+                def matches(i: int, probe: Any = probe) -> int:
+                    return gpu_match_blocks(engines[i], probe)
+
+            k = router.pick(Route(len(router.picks), blocks, c, turn), loads, matches)
+            recent.append((k, blocks))
+            e = engines[k]
             prompts[req_id] = prompt
             # A TP engine's ranks check in their own processes.
             checker = getattr(e, "load_checker", None)
@@ -88,27 +118,29 @@ def _route(engines: list[Any], convs: list[list[list[int]]],
         if between_turns is not None:
             between_turns(turn)
     out["offload_hit_tokens"] = sum(served.values())
+    out["requests_per_engine"] = router.spread()
     return out
 
 
-def _variant(n_engines: int, convs: list[list[list[int]]], slots: int, ours: bool
-             ) -> dict[str, Any]:
-    from kvoffload.bench.vllm_engine import plugin_engine, vllm_cpu_engine
+def _variant(n_engines: int, convs: list[list[list[int]]], slots: int, ours: bool,
+             routing: str = "round_robin", config: str = "chunk-lru") -> dict[str, Any]:
+    """``slots`` blocks of host memory in all: one pool, or ``slots / N`` chunks per engine."""
+    from kvoffload.bench.vllm_engine import plugin_engine
 
     if not ours:
-        per = slots * SLOT // n_engines
-        engines = [vllm_cpu_engine(per, gpu_blocks=24) for _ in range(n_engines)]
+        engines = [offload_engine(slots // n_engines, config, gpu_blocks=24)
+                   for _ in range(n_engines)]
         try:
-            return _route(engines, convs)
+            return _route(engines, convs, routing=routing)
         finally:
             for e in engines:
                 e.shutdown()
-    with daemon_process("--lease-ms", "600000", pool_bytes=slots * SLOT,
+    with daemon_process("--lease-ms", "600000", pool_bytes=slots * PAGE,
                         slot_bytes=0) as (_proc, ready):
         engines = [plugin_engine(ready["control"], gpu_blocks=24, kvoffload_store_reserve=16)
                    for _ in range(n_engines)]
         try:
-            return _route(engines, convs)
+            return _route(engines, convs, routing=routing)
         finally:
             for e in engines:
                 e.shutdown()
@@ -120,7 +152,7 @@ def run_tp_variant(convs: list[list[list[int]]], slots: int, *, engines: int = 2
     round-robin; every load checked on every rank in its own process."""
     from kvoffload.bench.tp_ranks import TPEngine
 
-    with daemon_process("--lease-ms", "600000", pool_bytes=slots * SLOT * world,
+    with daemon_process("--lease-ms", "600000", pool_bytes=slots * PAGE * world,
                         slot_bytes=0) as (_proc, ready):
         started: list[Any] = []
         try:
@@ -139,37 +171,57 @@ def run_tp_variant(convs: list[list[list[int]]], slots: int, *, engines: int = 2
     return out
 
 
+def cell(k: int, convs: list[list[list[int]]], slots: int, routing: str,
+         configs: Sequence[str]) -> dict[str, Any]:
+    """One engine count and routing: every vLLM configuration, then ours; the best vLLM one
+    is the baseline."""
+    theirs = {c: _variant(k, convs, slots, ours=False, routing=routing, config=c)
+              for c in configs}
+    mine = _variant(k, convs, slots, ours=True, routing=routing)
+    best = max(configs, key=lambda c: theirs[c]["offload_hit_tokens"])
+    b = theirs[best]["offload_hit_tokens"]
+    # Per-engine offload that never sees a conversation twice serves nothing at all.
+    ratio = (round(mine["offload_hit_tokens"] / b, 3) if b else
+             float("inf") if mine["offload_hit_tokens"] else None)
+    return {"ours": mine, "vllm": theirs[best], "vllm_best": best, "ratio": ratio,
+            "vllm_offload_hit_tokens": {c: theirs[c]["offload_hit_tokens"] for c in configs},
+            "target": TARGETS.get(k) if routing == "round_robin" else None}
+
+
 def run_sharing_bench(quick: bool = True, *, conversations: int | None = None,
                       turns: int = 6, slots: int | None = None,
                       engines: tuple[int, ...] = (2, 4), tp: bool = True, seed: int = 0,
+                      routings: Sequence[str] = ROUTINGS, configs: Sequence[str] | None = None,
                       progress: Any = None) -> dict[str, Any]:
     say = progress or (lambda _msg: None)
     n = conversations or (8 if quick else 16)
     slots = slots or (320 if quick else 640)
+    configs = tuple(configs or (("chunk-lru", "request-lru") if quick else CONFIGS))
     out: dict[str, Any] = {
         "ratio": None, "target": TARGETS[2], "meets": False, "conversations": n, "turns": turns,
-        "host_bytes_total": slots * SLOT,
-        "ratio_means": "offload hit tokens, one shared daemon / per-engine vLLM CPU offload with "
-                       "1/N of the memory, 2 engines, round-robin routing",
+        "host_blocks_total": slots, "host_bytes_total": slots * PAGE,
+        "vllm_configs": list(configs), "routings": list(routings),
+        "ratio_means": "offload hit tokens, one shared daemon / the best per-engine vLLM CPU "
+                       "offload configuration with 1/N of the blocks, 2 engines, round-robin "
+                       "routing (ratio_<routing>_<N>: every cell)",
     }
     if mark_not_run(out):
         return out
     convs = _conversations(n, turns, seed=23 + seed)
     out["seed"] = seed
     missed = []
-    for k in engines:
-        say(f"{k} engines: vLLM per-engine offload, then one shared daemon")
-        theirs = _variant(k, convs, slots, ours=False)
-        mine = _variant(k, convs, slots, ours=True)
-        # Per-engine offload that never sees a conversation twice serves nothing at all.
-        ratio = (round(mine["offload_hit_tokens"] / theirs["offload_hit_tokens"], 3)
-                 if theirs["offload_hit_tokens"] else float("inf"))
-        out[f"engines_{k}"] = {"ours": mine, "vllm": theirs, "ratio": ratio,
-                               "target": TARGETS.get(k)}
-        if k in TARGETS and ratio < TARGETS[k]:
-            missed.append(f"{k} engines: {ratio} < {TARGETS[k]}")
-        if mine["verify_failures"]:
-            missed.append(f"{k} engines: {mine['verify_failures']} loads with wrong bytes")
+    for routing in routings:
+        for k in engines:
+            say(f"{routing}, {k} engines: vLLM {len(configs)} configurations, one daemon")
+            got = cell(k, convs, slots, routing, configs)
+            # engines_<N>: round-robin, as before (plots.py draws it); the others by name.
+            out[f"engines_{k}" if routing == "round_robin" else f"{routing}_{k}"] = got
+            out[f"ratio_{routing}_{k}"] = got["ratio"]
+            if got["target"] is not None and (got["ratio"] or 0) < got["target"]:
+                missed.append(f"{routing}, {k} engines: {got['ratio']} < {got['target']}")
+            if got["ours"]["verify_failures"]:
+                missed.append(f"{routing}, {k} engines: {got['ours']['verify_failures']} "
+                              "loads with wrong bytes")
     if tp:
         say("TP=2: 2 engines x 2 rank processes on one daemon")
         tp_convs = [conv[:3] for conv in convs[:4]]  # small: 4 rank processes on the node
