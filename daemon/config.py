@@ -115,8 +115,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_clients: int = 1024
     # The index published in shared memory for engines to read in place (<pool_path>.index).
     shared_index: bool = True
-    # Most empty slots one engine may hold for its next stores (prepare_store never waits).
-    max_reserved_slots: int = 256
+    # Most empty slots one engine may hold for its next stores (prepare_store never waits);
+    # 0: no fixed number, an eighth of the pool (engines size their reservation to their
+    # prefill rate; per-client quotas bound it too).
+    max_reserved_slots: int = 0
     # Per-client quotas (docs/security.md "Quotas"): slots one client may hold at once as
     # pins, pending stores and reservations together, in percent of the pool's slots; pending
     # stores (with reservations) and pins each have their own cap too (0: the share's number).

@@ -14,9 +14,15 @@ own manager. No message is sent on the lookup path:
   them on arrival, and epoch-based reclamation (``daemon/store/reclaim.py``) keeps a slot's bytes
   until then. A slot that went to another writer fails its generation check in the worker, and
   the load is reported (never used);
-* ``prepare_store`` takes slots from a reservation the daemon granted in advance, so it never
-  waits; "already stored" is read from the view, never from a private memory that goes stale;
-  commits are sent the moment vLLM reports the store done, so they are readable next step;
+* ``prepare_store`` takes slots from a reservation the daemon granted in advance and sized to
+  recent steps' demand (``reservation.py``), so it never waits; a store that finds too few
+  slots, of a request vLLM will offer again, answers None (vLLM offers the same keys next
+  step, when the refill this step asks for is in) rather than dropping keys; "already stored"
+  is read from the view, never from a private memory that goes stale;
+* commits ride the next step's ``Step`` (handled before its pins); until the view shows a
+  store READY the manager answers for its own stores itself -- PENDING, or HIT once the
+  daemon holds the claim -- however long the daemon takes, and once the daemon has answered a
+  claim the view decides (a block another engine evicted is a MISS, offered again at once);
 * a key missing from the pool answers RETRY when the daemon has a disk or Mooncake tier, and
   the step's ``finds`` ask the tier; a promotion shows in the index as PENDING, then READY;
 * when the daemon is down, frozen or restarted, lookups answer MISS and nothing is stored
@@ -32,9 +38,11 @@ from typing import Any
 
 from kvoffload.connector.session import IndexSession
 from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
-from kvoffload.connector.vllm.requests import RequestInfo, store_item
+from kvoffload.connector.vllm.own_stores import OwnStores
+from kvoffload.connector.vllm.requests import RequestInfo, lookup_report, store_item
+from kvoffload.connector.vllm.reservation import Reservation
 from kvoffload.connector.vllm.settings import ManagerSettings
-from kvoffload.daemon.base import Geometry, key_group
+from kvoffload.daemon.base import Geometry, GroupKind, key_group
 from kvoffload.daemon.control import protocol as p
 from kvoffload.daemon.store import shared_index as si
 from vllm.v1.kv_offload.base import (
@@ -71,21 +79,19 @@ class DaemonOffloadingManager(OffloadingManager):
         session.reserve = settings.reserve  # the attach thread's first reservation
         self._block = {geometry.group_id(i): g.tokens_per_block * geometry.blocks_per_chunk
                        for i, g in enumerate(geometry.groups)}
+        # Groups vLLM stores only from the core's copy-on-write hand-off (Mamba in align mode):
+        # those keys are offered once, never again after a None.
+        self._cow = {geometry.group_id(i) for i, g in enumerate(geometry.groups)
+                     if g.kind is GroupKind.MAMBA and g.mamba_align}
         self.requests: dict[str, RequestInfo] = {}  # handed over by KVOffloadConnector
         self.counters: Counter[str] = Counter()
         self._step = 0
         self._busy = False
         self._tiers = False
         self._pool: PoolInfo | None = None
-        # Written by this engine, not yet READY in the view: key -> (slot, gen).
-        self._storing: dict[bytes, tuple[int, int]] = {}
-        self._reserved: list[tuple[int, int]] = []
-        self._reserve_asked = 0
-        self._reserve_rids: dict[int, int] = {}  # rid -> slots it asked for
-        self._no_space = False
-        self._claim_rids: dict[int, list[bytes]] = {}
-        self._dupes: set[bytes] = set()  # claims of keys stored meanwhile: slot still ours
-        self._committed: dict[bytes, int] = {}  # commit sent -> step it was sent
+        self.reservation = Reservation(settings.reserve)
+        self._reserved = self.reservation.slots  # the same list (tests read its length)
+        self.own = OwnStores(self.counters)  # our stores until the view shows them READY
         self._loads: dict[str, list[p.SlotRef]] = {}  # req -> pins of its load in flight
         self._finding: set[bytes] = set()
         self._not_found: dict[bytes, int] = {}  # key -> step it was not found
@@ -123,35 +129,12 @@ class DaemonOffloadingManager(OffloadingManager):
             self._tiers = reg.has_tiers
         for reply in replies:
             self._absorb(reply)
-        view = self.session.view
-        if view is not None and self._committed:
-            # Our commits the view shows READY now, or that it will never show (the block was
-            # evicted at once, or the commit refused): the view answers for them from here.
-            for key, step in list(self._committed.items()):
-                if key in view.ready or (step < self._step - 1 and key not in view.pending):
-                    del self._committed[key]
-                    self._storing.pop(key, None)
+        if view is not None and self.own.committed:
+            self.own.settle(view)  # replies read before the refresh: the view decides
 
     def _absorb(self, r: p.StepReply) -> None:
-        self._reserved.extend(r.granted)
-        asked = self._reserve_rids.pop(r.rid, 0)
-        self._reserve_asked -= asked
-        if asked:
-            self._no_space = r.no_space
-        claimed = set(self._claim_rids.pop(r.rid, ()))
-        for key in r.exists:  # stored meanwhile by another engine: our slot stays reserved
-            if key in claimed and key in self._storing:
-                self.counters["stores_exist"] += 1
-                if self._committed.pop(key, None) is not None:  # its worker is done: reuse
-                    self._reserved.append(self._storing.pop(key))
-                else:
-                    self._dupes.add(key)  # reused once its worker is done (complete_store)
-        for key in r.refused:  # not our slot any more (our lease ran out): forget it
-            if key in claimed:
-                self.counters["stores_refused"] += 1
-                self._storing.pop(key, None)
-                self._committed.pop(key, None)
-                self._dupes.discard(key)
+        self.reservation.answered(r.rid, r.granted, r.no_space)
+        self._reserved.extend(self.own.answered(r.rid, r.exists, r.refused))
         if r.lost:
             self.counters["pins_lost"] += len(r.lost)
             log.warning("kvoffload: %d loads lost their slot before the daemon pinned them; "
@@ -163,13 +146,8 @@ class DaemonOffloadingManager(OffloadingManager):
 
     def _drop_daemon_state(self) -> None:
         """The daemon went away: nothing it granted is ours any more."""
-        self._reserved.clear()
-        self._reserve_asked = 0
-        self._reserve_rids.clear()
-        self._storing.clear()
-        self._committed.clear()
-        self._dupes.clear()
-        self._claim_rids.clear()
+        self.reservation.clear()
+        self.own.clear()
         self._finding.clear()
         self._not_found.clear()
         self._loads.clear()
@@ -190,11 +168,11 @@ class DaemonOffloadingManager(OffloadingManager):
         view = self.session.view
         if view is None:
             return MISS  # offline: vLLM computes, nothing waits
-        if key in self._committed and view.slot_of(key) == self._storing[key][0]:
-            # Our own store, committed: the daemon holds it PENDING in our slot and takes our
-            # commit before any pin we send after it (one socket, in order).
-            return HIT
-        if key in view.pending or key in self._storing:
+        if key in self.own:
+            # Our own store, committed, its claim in the index: the daemon holds it PENDING in
+            # our slot and takes our commit before any pin of the same or a later Step.
+            return HIT if self.own.hit(key, view) else PENDING
+        if key in view.pending:
             return PENDING
         if self._tiers:
             seen = self._not_found.get(key)
@@ -216,9 +194,9 @@ class DaemonOffloadingManager(OffloadingManager):
         slots, gens, refs = [], [], []
         for key in keys:
             ref = view.ready.get(key) if view is not None else None
-            if ref is None and key in self._committed:
-                own = self._storing.get(key)  # our own committed store (see lookup)
-                ref = (own[0], si.ident(own[1], key)) if own is not None else None
+            if ref is None and key in self.own.committed:
+                own = self.own.slots[key]  # our own committed store (see lookup)
+                ref = (own[0], si.ident(own[1], key))
             if ref is None:
                 # Only a HIT of this step is loaded; its view vanished (offline mid-step).
                 slots.append(-1)
@@ -248,27 +226,56 @@ class DaemonOffloadingManager(OffloadingManager):
         if view is None or self._pool is None:
             self.counters["stores_skipped_offline"] += len(keys)
             return _empty_store()  # not None: vLLM would re-offer (and log) every step
-        new = [k for k in keys if k not in view.ready and k not in view.pending
-               and k not in self._storing]
+        ready, pending, own = view.ready, view.pending, self.own.slots
+        new = [k for k in keys if k not in ready and k not in pending and k not in own]
         if not new:
             return _empty_store()
-        room = len(self._reserved)
-        if room < len(new):
-            self.counters["stores_short_reservation"] += len(new) - room
-            new = new[:room]  # vLLM lists keys in prefix order: the longest prefix goes
+        res = self.reservation
+        res.demand += len(new)
+        if len(res.slots) < len(new):
+            for reply in self.session.poll():  # a refill that came in since the step began
+                self._absorb(reply)
+        if len(res.slots) < len(new):
+            if res.covers(len(new)) and self._offered_again(new, req_context):
+                # vLLM keeps these keys and offers them again next step, when the refill this
+                # step asks for is at hand: a step later, nothing lost, nothing waited for.
+                self.counters["stores_deferred"] += len(new)
+                return None
+            # Offered once only (a finished request, a tail, a copy-on-write state) or more
+            # than the daemon grants us: the longest prefix that fits (keys in prefix order).
+            self.counters["stores_short_reservation"] += len(new) - len(res.slots)
+            new = new[:len(res.slots)]
             if not new:
                 return _empty_store()
+        return self._claim(new, req_context)
+
+    def _offered_again(self, keys: list[OffloadKey], ctx: ReqContext) -> bool:
+        """Whether vLLM offers ``keys`` again after a None: complete chunks of a request still
+        running, from its regular store path (``_build_store_jobs``). Partial tails and
+        copy-on-write states come from a hand-off vLLM makes once, and a finished request is
+        not asked again; without the request (vLLM's stock connector) we cannot tell."""
+        info = self.requests.get(ctx.req_id)
+        if info is None or info.finished():
+            return False
+        for key in keys:
+            group = key_group(key)
+            end = ctx.get_offload_key_position(key)
+            if group in self._cow or not end or end % self._block.get(group, 1):
+                return False
+        return True
+
+    def _claim(self, new: list[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:
         info = self.requests.get(req_context.req_id)
         tph = self.geometry.tokens_per_hash
-        slots, gens = [], []
-        for key in new:
-            slot, gen = self._reserved.pop()
+        refs = self._reserved[-len(new):]
+        del self._reserved[-len(new):]
+        claims, block = self._batch.claims, self._block
+        for key, (slot, gen) in zip(new, refs, strict=True):
             item = store_item(key, req_context.get_offload_key_position(key),
-                              self._block.get(key_group(key), 1), tph, info)
-            self._batch.claims.append(p.StoreClaim(item=item, slot=slot, gen=gen))
-            self._storing[key] = (slot, gen)
-            slots.append(slot)
-            gens.append(gen)
+                              block.get(key_group(key), 1), tph, info)
+            claims.append(p.StoreClaim(item=item, slot=slot, gen=gen))
+        self.own.claimed(new, refs)
+        slots, gens = [r[0] for r in refs], [r[1] for r in refs]
         self.counters["stores_offered"] += len(new)
         lock = self.session.reg.readers_path if self.session.reg is not None else ""
         return PrepareStoreOutput(keys_to_store=new,
@@ -277,27 +284,21 @@ class DaemonOffloadingManager(OffloadingManager):
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
-        commits, aborts = [], []
+        # The commits ride the next step's Step (no message of their own): until the view
+        # shows them READY, lookup answers for them (HIT once the claim is in the index).
+        batch = self._batch
         for key in keys:
-            ref = self._storing.get(key)
-            if ref is None:
+            done = self.own.done(key, success)
+            if done is None:
                 continue
-            if key in self._dupes:  # the daemon kept the slot reserved for us: reuse it
-                self._dupes.discard(key)
-                del self._storing[key]
-                self._reserved.append(ref)
-            elif success:
-                commits.append(p.SlotRef(key, *ref))  # stays in _storing until READY
-                self._committed[key] = self._step
+            what, (slot, gen) = done
+            if what == "reuse":  # the daemon kept the slot reserved for us: reuse it
+                self._reserved.append((slot, gen))
+            elif what == "commit":
+                batch.commits.append(p.SlotRef(key, slot, gen))
+                self.counters["stores_committed"] += 1
             else:
-                del self._storing[key]
-                aborts.append(p.SlotRef(key, *ref))
-        if commits or aborts:
-            # Now, not at the step's end: the next step's view then already reads them READY.
-            self.session.send(lambda rid, engine, epoch: p.Step(
-                rid=rid, engine=engine, epoch=epoch, commits=commits, aborts=aborts),
-                end_of_step=not self._busy, sync=True)
-            self.counters["stores_committed"] += len(commits)
+                batch.aborts.append(p.SlotRef(key, slot, gen))
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -316,20 +317,6 @@ class DaemonOffloadingManager(OffloadingManager):
         """A request's outcome (a ``LookupReport``, or the arguments of one built later)."""
         self._batch.lookups.append(report)
 
-    def _report(self, req_id: str, num_tokens: int, num_prompt: int, local: int,
-                hit: int | None, seconds: float) -> p.LookupReport:
-        """Built at the step's end, off vLLM's lookup path."""
-        block = self.geometry.groups[0].tokens_per_block
-        end = local + (hit or 0)
-        tail = bool(hit) and end % block != 0
-        chunk = max(0, end - end % block - local) if tail else (hit or 0)
-        return p.LookupReport(
-            req_id=req_id, num_tokens=num_tokens, num_prompt_tokens=num_prompt,
-            local_tokens=local, hit_tokens=hit, chunk_tokens=chunk,
-            tail_boundary=end if tail else None,
-            miss_reason=None if hit else ("pending" if hit is None else "not_stored"),
-            latency_us=int(seconds * 1e6))
-
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.requests.pop(req_context.req_id, None)
 
@@ -337,24 +324,25 @@ class DaemonOffloadingManager(OffloadingManager):
         for reply in self.session.poll():  # grants, refusals, finds of earlier steps
             self._absorb(reply)
         batch, self._batch = self._batch, _Batch()
-        want = self.settings.reserve - len(self._reserved) - self._reserve_asked
-        if self.session.attached and (batch or want > 0):
-            reserve = max(0, want)
-
-            lookups = [r if isinstance(r, p.LookupReport) else self._report(*r)
+        want, back = self.reservation.end_step()
+        if self.session.attached and (batch or want or back):
+            block = self.geometry.groups[0].tokens_per_block
+            lookups = [r if isinstance(r, p.LookupReport) else lookup_report(block, *r)
                        for r in batch.lookups]
+            unreserve = [p.SlotRef(b"", *ref) for ref in back]
 
             def build(rid: int, engine: int, epoch: int) -> p.Step:
                 return p.Step(rid=rid, engine=engine, epoch=epoch, pins=batch.pins,
-                              releases=batch.releases, claims=batch.claims, reserve=reserve,
-                              finds=batch.finds, lookups=lookups)
+                              releases=batch.releases, claims=batch.claims,
+                              commits=batch.commits, aborts=batch.aborts, unreserve=unreserve,
+                              reserve=want, finds=batch.finds, lookups=lookups)
 
+            # sync: the next step's read waits (briefly) for the daemon to apply our claims.
             rid = self.session.send(build, end_of_step=True, sync=bool(batch.claims))
-            if rid is not None:
-                self._reserve_asked += reserve
-                self._reserve_rids[rid] = reserve
+            if rid is not None:  # else the session is lost, and with it what was granted
+                self.reservation.sent(rid, want)
                 if batch.claims:
-                    self._claim_rids[rid] = [c.item.key for c in batch.claims]
+                    self.own.sent(rid, [c.item.key for c in batch.claims])
         else:
             self.session.end_idle()
             if not self.session.attached:
@@ -363,18 +351,18 @@ class DaemonOffloadingManager(OffloadingManager):
         self._step += 1
 
     def has_pending_work(self) -> bool:
-        # Keep the engine stepping while load pins wait to be released.
+        # Keep the engine stepping while load pins wait to be released or commits to be sent.
         return bool(self._batch)
 
     def reset_cache(self) -> None:
         # Workers may still read pinned slots and write claimed ones until on_reset_flushed.
+        # Commits not sent yet are dropped with the rest: the reset goes out first.
         pins = [ref for refs in self._loads.values() for ref in refs]
-        grants = [p.SlotRef(k, *ref) for k, ref in self._storing.items()]
+        grants = [p.SlotRef(k, *ref) for k, ref in self.own.slots.items()]
         self._after_reset = (pins, grants)
         self._loads.clear()
-        self._storing.clear()
-        self._committed.clear()
-        self._dupes.clear()
+        self._batch.commits.clear()
+        self.own.clear()
         scope = self.settings.reset_scope
         if scope != "none":
             self.session.post(lambda rid, engine: p.Reset(rid=rid, engine=engine, scope=scope))
@@ -396,14 +384,17 @@ class DaemonOffloadingManager(OffloadingManager):
 class _Batch:
     """What one step sends."""
 
-    __slots__ = ("pins", "releases", "claims", "finds", "lookups")
+    __slots__ = ("pins", "releases", "claims", "commits", "aborts", "finds", "lookups")
 
     def __init__(self) -> None:
         self.pins: list[p.SlotRef] = []
         self.releases: list[p.SlotRef] = []
         self.claims: list[p.StoreClaim] = []
+        self.commits: list[p.SlotRef] = []
+        self.aborts: list[p.SlotRef] = []
         self.finds: list[bytes] = []
-        self.lookups: list[p.LookupReport] = []
+        self.lookups: list[Any] = []
 
     def __bool__(self) -> bool:
-        return bool(self.pins or self.releases or self.claims or self.finds or self.lookups)
+        return bool(self.pins or self.releases or self.claims or self.commits or self.aborts
+                    or self.finds or self.lookups)

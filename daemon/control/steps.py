@@ -1,17 +1,20 @@
 """The ``Step`` handler: everything one scheduler step of an index-reading engine writes.
 
 An engine that answers vLLM from the shared index sends one ``Step`` per scheduler step and
-never waits for its reply (it reads it at a later step). Fields are handled in order:
+never waits for its reply (it reads it at a later step). Fields are handled in this order:
 
-1. ``pins``: each is (key, slot, generation) as the engine saw it READY. The slot is pinned if
+1. ``commits`` / ``aborts`` of this client's own pending stores only. First: the engine loads
+   its own committed stores before it reads them READY, and their pins ride the same Step as
+   the commit (a commit makes nothing evictable that a pin below would have protected).
+2. ``pins``: each is (key, slot, generation) as the engine saw it READY. The slot is pinned if
    its generation still matches (READY, or retired but not reclaimed: the bytes are intact).
    Otherwise the key is answered in ``lost``: its load must be reported as failed, and the
    worker's own generation check fails it too.
-2. ``releases``: the loads are done (pins drop; the block becomes most recently used).
-3. ``claims``: keys into slots of this client's reservation; a key stored meanwhile by another
+3. ``releases``: the loads are done (pins drop; the block becomes most recently used).
+4. ``claims``: keys into slots of this client's reservation; a key stored meanwhile by another
    engine is answered in ``exists`` and the slot stays reserved for the next store.
-4. ``commits`` / ``aborts`` of this client's own pending stores only.
-5. ``unreserve``, then ``reserve`` (refill, evicting as needed, bounded per client).
+5. ``unreserve``, then ``reserve`` (refill, evicting as needed, bounded per client: what one
+   step's prefill stores, at any rate, fits; see ``reservation_cap``).
 6. ``finds``: keys the pool misses are looked up in the lower tiers; a hit starts a promotion
    (the key reads PENDING in the index, then READY: nobody polls).
 7. ``lookups``: per-request outcomes, published as lookup events.
@@ -47,10 +50,22 @@ class StepHandler:
         self.tiers: Promoter | None = None
         self.pending_owner: dict[int, ClientState] = {}  # shared with Service
         self.quotas: Quotas | None = None  # per-client caps (set by Service)
+        # Label children resolved once: a Step names hundreds of keys, and a labels() lookup
+        # per key was most of the daemon's CPU per message.
+        loads, stores = metrics.loads, metrics.stores
+        self._pinned, self._lost = loads.labels("pinned"), loads.labels("lost")
+        self._pin_quota, self._completed = loads.labels("quota"), loads.labels("completed")
+        self._granted, self._exists = stores.labels("granted"), stores.labels("exists")
+        self._refused, self._not_worth = stores.labels("refused"), stores.labels("not_worth")
+        self._committed, self._aborted = stores.labels("committed"), stores.labels("aborted")
+        self._tail_store = metrics.tails_declined.labels("store")
 
     def reservation_cap(self) -> int:
-        """Slots one client may hold empty: bounded by config and by an eighth of the pool."""
-        return min(self.max_reserved, max(1, self.index.pool.num_slots // 8))
+        """Slots one client may hold empty: an eighth of the pool (and ``max_reserved_slots``
+        when set). A prefill of 8,192 tokens in 16-token blocks stores 512 keys per step and
+        the engine keeps twice a step's demand at hand; quotas bound it further."""
+        share = max(1, self.index.pool.num_slots // 8)
+        return min(self.max_reserved, share) if self.max_reserved else share
 
     def _validate(self, ns: Namespace, msg: p.Step) -> None:
         for claim in msg.claims:
@@ -68,11 +83,13 @@ class StepHandler:
         self._validate(ns, msg)
         idx, m = self.index, self.metrics
         reply = p.StepReply(rid=msg.rid)
+        self._commits(client, ns, msg, reply)
         room = self.quotas.room_pins(client) if self.quotas is not None and msg.pins else 0
+        pinned = lost = 0
         for ref in msg.pins:
             if room <= 0:  # its share of the pool is pinned already: the load fails, counted
                 reply.lost.append(ref.key)
-                m.loads.labels("quota").inc()
+                self._pin_quota.inc()
                 assert self.quotas is not None
                 self.quotas.refused("pins")
                 continue
@@ -81,28 +98,23 @@ class StepHandler:
                 room -= 1
                 client.pins[ref.slot] += 1
                 idx.touch(ref.slot)
-                m.loads.labels("pinned").inc()
-                m.loaded_bytes.inc(idx.pool.slot_bytes)
+                pinned += 1
             else:
                 reply.lost.append(ref.key)
-                m.loads.labels("lost").inc()
+                lost += 1
+        if pinned:
+            self._pinned.inc(pinned)
+            m.loaded_bytes.inc(pinned * idx.pool.slot_bytes)
+        if lost:
+            self._lost.inc(lost)
+        completed = 0
         for ref in msg.releases:
             if drop_pin(idx, client, ref.slot):
                 idx.touch(ref.slot)
-                m.loads.labels("completed").inc()
+                completed += 1
+        if completed:
+            self._completed.inc(completed)
         self._claims(client, ns, msg, reply)
-        for ok, refs in ((True, msg.commits), (False, msg.aborts)):
-            for ref in refs:
-                slot = ns.keys.get(ref.key)
-                if slot != ref.slot or slot not in client.pending or idx.gen[slot] != ref.gen:
-                    reply.refused.append(ref.key)
-                    continue
-                if idx.commit(ns, ref.key) if ok else idx.abort(ns, ref.key):
-                    client.pending.discard(slot)
-                    self.pending_owner.pop(slot, None)
-                    m.stores.labels("committed" if ok else "aborted").inc()
-                    if ok:
-                        m.stored_bytes.inc(idx.pool.slot_bytes)
         for ref in msg.unreserve:
             if ref.slot in client.reserved:
                 client.reserved.discard(ref.slot)
@@ -128,31 +140,53 @@ class StepHandler:
         reply.epoch = idx.epoch
         return reply
 
+    def _commits(self, client: ClientState, ns: Namespace, msg: p.Step,
+                 reply: p.StepReply) -> None:
+        idx = self.index
+        for ok, refs in ((True, msg.commits), (False, msg.aborts)):
+            done = 0
+            for ref in refs:
+                slot = ns.keys.get(ref.key)
+                if slot != ref.slot or slot not in client.pending or idx.gen[slot] != ref.gen:
+                    reply.refused.append(ref.key)
+                    continue
+                if idx.commit(ns, ref.key) if ok else idx.abort(ns, ref.key):
+                    client.pending.discard(slot)
+                    self.pending_owner.pop(slot, None)
+                    done += 1
+            if done:
+                (self._committed if ok else self._aborted).inc(done)
+                if ok:
+                    self.metrics.stored_bytes.inc(done * idx.pool.slot_bytes)
+
     def _claims(self, client: ClientState, ns: Namespace, msg: p.Step,
                 reply: p.StepReply) -> None:
-        idx, m = self.index, self.metrics
+        idx = self.index
+        granted = 0
         for claim in msg.claims:
             it = claim.item
             if it.tail and ns.cost is not None and not ns.cost.admit_tail(it.end_token):
                 # A later hit on this tail would cost more to load than to recompute.
                 reply.exists.append(it.key)
-                m.stores.labels("not_worth").inc()
-                m.tails_declined.labels("store").inc()
+                self._not_worth.inc()
+                self._tail_store.inc()
                 continue
             ok = idx.claim(ns, it.key, claim.slot, claim.gen, it.end_token, it.tail, client,
                            client.owner)
             if ok is None:
                 reply.refused.append(it.key)
-                m.stores.labels("refused").inc()
+                self._refused.inc()
             elif not ok:
                 reply.exists.append(it.key)
-                m.stores.labels("exists").inc()
+                self._exists.inc()
             else:
                 client.reserved.discard(claim.slot)
                 client.pending.add(claim.slot)
                 self.pending_owner[claim.slot] = client
                 self.events.remember(claim.slot, it)
-                m.stores.labels("granted").inc()
+                granted += 1
+        if granted:
+            self._granted.inc(granted)
 
     def _reserve(self, client: ClientState, want: int, reply: p.StepReply) -> None:
         n = min(want, self.reservation_cap() - len(client.reserved))

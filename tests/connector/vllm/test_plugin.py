@@ -251,8 +251,12 @@ def test_stores_use_the_reservation_and_skip_stored_keys(daemon: DaemonHandle) -
     other = connect(daemon.control, manager.geometry)
     end_step(conn)  # the claims go out: the keys read PENDING for everyone
     assert _settle(lambda: other.probe([k0, k1]) == [KeyStatus.HIT_PENDING] * 2)
-    manager.complete_store([k0, k1], ctx)  # commits are sent at once
+    manager.complete_store([k0, k1], ctx)  # the commits ride the next step's message
+    assert manager.has_pending_work()  # ... so vLLM steps the engine once more
+    assert other.probe([k0, k1]) == [KeyStatus.HIT_PENDING] * 2
+    end_step(conn)
     assert _settle(lambda: other.probe([k0, k1]) == [KeyStatus.HIT] * 2)
+    assert _sent(manager)[0] == before[0] + 2  # one Step per step: no message of their own
     end_step(conn)
     assert _offered(manager.prepare_store([k0, k1], ctx)).keys_to_store == []  # not offered
     manager.shutdown()
@@ -320,9 +324,10 @@ def test_kvoffload_connector_subclass(daemon: DaemonHandle) -> None:
     assert "subclass" in manager.requests
     assert conn.get_num_new_matched_tokens(req, 0) == (28, True)
     (pending,) = manager._batch.lookups
-    # _Batch.lookups is annotated list[LookupReport] but also holds _report's arguments (the
-    # deferred form, manager.report_lookup): an annotation for the source to widen.
-    report = manager._report(*pending)  # type: ignore[misc]  # what the step's message carries
+    from kvoffload.connector.vllm.requests import lookup_report
+
+    # The deferred form (manager.report_lookup): what the step's message carries, built there.
+    report = lookup_report(manager.geometry.groups[0].tokens_per_block, *pending)
     assert (report.req_id, report.hit_tokens, report.chunk_tokens, report.tail_boundary) == (
         "subclass", 28, 16, 28)
     manager.shutdown()

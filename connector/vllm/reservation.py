@@ -1,0 +1,80 @@
+"""The store reservation: empty pool slots the daemon granted this engine ahead of its stores.
+
+vLLM's ``prepare_store`` must answer at once, so slots are asked for a step ahead, in the
+step's ``Step`` (``reserve``), never waited for. How many: what recent steps wanted, twice
+over -- the refill asked at a step's end normally arrives before the next step stores, and
+with twice the demand at hand one late reply still finds a whole step's worth. A prefill of
+8,192 tokens in 16-token blocks wants 512 slots per step, a decode step none: the size follows
+the demand of the last ``WINDOW`` steps (never under ``floor``, the operator's
+``kvoffload_store_reserve``) and what exceeds twice the target goes back to the pool, so an
+engine that stopped prefilling does not keep slots empty that other blocks could use.
+
+The daemon bounds what it grants (a fraction of the pool, the client's quota); a reply that
+grants less than asked says so (``short``), and the manager then knows a deferred store would
+not find its slots next step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+WINDOW = 64  # steps of demand remembered: a burst keeps its slots this long
+HEADROOM = 2  # target = HEADROOM x the peak demand: one late refill still covers a step
+
+
+class Reservation:
+    def __init__(self, floor: int) -> None:
+        self.floor = floor
+        self.slots: list[tuple[int, int]] = []  # (slot, generation), ours to claim
+        self.asked = 0  # slots asked for whose reply is not in yet
+        self._rids: dict[int, int] = {}  # rid -> slots that Step asked for
+        self.no_space = False  # the latest answer: nothing could be granted, none coming
+        self.short = False  # the latest answer granted less than asked ...
+        self.ceiling = 0  # ... and what we held then: about the most the daemon lets us hold
+        self.demand = 0  # slots this step's stores wanted (taken or deferred)
+        self._recent: deque[int] = deque(maxlen=WINDOW)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def target(self) -> int:
+        peak = max(self.demand, max(self._recent, default=0))
+        return max(self.floor, HEADROOM * peak)
+
+    def covers(self, n: int) -> bool:
+        """Whether ``n`` slots can be expected at hand next step: the refill this step asks
+        for reaches the target, or, after a short answer, what the daemon let us hold."""
+        return not self.no_space and n <= (self.ceiling if self.short else self.target())
+
+    def end_step(self) -> tuple[int, list[tuple[int, int]]]:
+        """At the step's end: (slots to ask for, slots to hand back); the next step starts."""
+        target = self.target()
+        self._recent.append(self.demand)
+        self.demand = 0
+        want = target - len(self.slots) - self.asked
+        back: list[tuple[int, int]] = []
+        if len(self.slots) > HEADROOM * target:
+            back = self.slots[target:]
+            del self.slots[target:]
+        return max(0, want), back
+
+    def sent(self, rid: int, n: int) -> None:
+        if n:
+            self.asked += n
+            self._rids[rid] = n
+
+    def answered(self, rid: int, granted: list[tuple[int, int]], no_space: bool) -> None:
+        self.slots.extend(granted)
+        asked = self._rids.pop(rid, 0)
+        if asked:
+            self.asked -= asked
+            self.no_space = no_space
+            self.short = len(granted) < asked
+            self.ceiling = len(self.slots)
+
+    def clear(self) -> None:
+        """The daemon went away: nothing it granted is ours any more."""
+        self.slots.clear()
+        self.asked = 0
+        self._rids.clear()
+        self.no_space = self.short = False
