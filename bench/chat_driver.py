@@ -14,6 +14,7 @@ one attention page per block it fills plus each Mamba group's state page.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -145,3 +146,102 @@ def drive(engine: Any, turns: Iterable[ChatTurn], *, verify: bool,
     for turn in turns:
         driver.turn(turn)
     return driver.result()
+
+
+# ------------------------------------------------------------------ continuous batching
+
+
+class ChatMix:
+    """Multi-turn conversations for an engine that keeps many requests in flight: a few shared
+    system prompts, users' messages and replies of ShareGPT-like lengths (workload.py's
+    distributions, replies capped at ``reply_cap``). A conversation's next turn is its history
+    plus a new message, handed out only once its previous turn finished; one grown past
+    ``max_tokens`` ends and a new one starts. Reproducible from ``seed``."""
+
+    def __init__(self, seed: int, *, systems: int = 4, max_tokens: int = 12_000,
+                 reply_cap: int = 512) -> None:
+        from kvoffload.bench.workload import SYSTEM_PROMPT_TOKENS, VOCAB, _lognormal_int
+
+        self._rng = rng = random.Random(seed)
+        self._vocab, self._length = VOCAB, _lognormal_int
+        self.systems = [[rng.randrange(VOCAB) for _ in range(rng.randint(*SYSTEM_PROMPT_TOKENS))]
+                        for _ in range(systems)]
+        self.max_tokens, self.reply_cap = max_tokens, reply_cap
+        self._idle: list[list[int]] = []  # histories whose last turn finished
+
+    def _tokens(self, median: float, mean: float, lo: int, hi: int) -> list[int]:
+        rng = self._rng
+        return [rng.randrange(self._vocab) for _ in range(self._length(rng, median, mean, lo, hi))]
+
+    def next_turn(self) -> ChatTurn:
+        rng = self._rng
+        # Follow-ups and new conversations about equally often, once some are waiting.
+        if self._idle and rng.random() < 0.5:
+            history = self._idle.pop(rng.randrange(len(self._idle)))
+        else:
+            history = list(rng.choice(self.systems))
+        prompt = history + self._tokens(20, 90, 2, 2000)
+        reply = self._tokens(100, 160, 4, self.reply_cap)
+        return ChatTurn(prompt, reply)
+
+    def finished(self, turn: ChatTurn) -> None:
+        history = turn.prompt + turn.reply
+        if len(history) + self.reply_cap + 2000 < self.max_tokens:
+            self._idle.append(history)
+
+
+class Inflight:
+    """Continuous batching on one ``MiniEngine``: ``n`` requests in flight, a finished one's
+    place taken at once by the mix's next turn; ``step`` runs one engine step and returns what
+    vLLM's scheduler spent in it (``schedule()`` + ``update_from_output()``). ``verify``: every
+    load's bytes are checked against the fake model's."""
+
+    def __init__(self, engine: Any, mix: ChatMix, n: int, *, verify: bool) -> None:
+        self.engine, self.mix, self.n, self.verify = engine, mix, n, verify
+        self._live: dict[str, tuple[Any, ChatTurn]] = {}
+        self._count = 0
+        self.step_seconds: list[float] = []
+        self.out: dict[str, Any] = {"requests": 0, "prompt_tokens": 0, "recomputed_tokens": 0,
+                                    "deferrals": 0, "loads": 0, "verify_failures": 0}
+        original = engine.connector.get_num_new_matched_tokens
+
+        def counting(request: Any, local: int) -> Any:
+            hit, is_async = original(request, local)
+            self.out["deferrals"] += hit is None
+            return hit, is_async
+
+        engine.connector.get_num_new_matched_tokens = counting
+        engine.on_loaded = self._on_loaded
+
+    def _on_loaded(self, req_id: str) -> None:
+        self.out["loads"] += 1
+        live = self._live.get(req_id)
+        if self.verify and live is not None and not self.engine.verify(req_id,
+                                                                       live[1].prompt):
+            self.out["verify_failures"] += 1
+
+    def step(self) -> float:
+        engine = self.engine
+        while len(self._live) < self.n:
+            turn = self.mix.next_turn()
+            req_id = f"c{self._count}"
+            self._count += 1
+            self._live[req_id] = (engine.add(turn.prompt, req_id, reply=turn.reply), turn)
+        engine.step()
+        for req_id, (req, turn) in list(self._live.items()):
+            if req.is_finished():
+                del self._live[req_id]
+                self.mix.finished(turn)
+                self.out["requests"] += 1
+                self.out["prompt_tokens"] += len(turn.prompt)
+                self.out["recomputed_tokens"] += engine.prefill_tokens.pop(req_id, 0)
+                engine.first_start.pop(req_id, None)
+                engine.replies.pop(req_id, None)
+        self.step_seconds.append(engine.last_step_seconds)
+        return engine.last_step_seconds
+
+    def result(self) -> dict[str, Any]:
+        out = dict(self.out)
+        out["failed_loads"] = len(self.engine.failed_loads)
+        out["steps"] = len(self.step_seconds)
+        return out

@@ -180,6 +180,7 @@ class MiniEngine:
         self.replies: dict[str, list[int]] = {}  # scripted replies, sampled a block at a time
         self.first_start: dict[str, int] = {}  # tokens already computed at a request's 1st step
         self.scheduler_seconds = 0.0  # in schedule() and update_from_output(), all steps
+        self.last_step_seconds = 0.0  # the same, the latest step alone
 
     @property
     def connector(self) -> Any:
@@ -276,7 +277,7 @@ class MiniEngine:
 
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        self.scheduler_seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
         meta: Any = out.kv_connector_metadata
         kv_out = KVConnectorOutput()
         if self.worker is not None:
@@ -316,7 +317,9 @@ class MiniEngine:
             sampled_token_ids=[sampled[r] for r in ids], kv_connector_output=kv_out)
         t0 = time.perf_counter()
         self.scheduler.update_from_output(out, runner_out)
-        self.scheduler_seconds += time.perf_counter() - t0
+        took += time.perf_counter() - t0
+        self.last_step_seconds = took
+        self.scheduler_seconds += took
         self.steps += 1
         return out
 
