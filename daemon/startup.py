@@ -15,6 +15,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 from kvoffload.daemon.config import Config
+from kvoffload.daemon.control.frames import socket_limits
 from kvoffload.daemon.control.security import CurveGuard
 from kvoffload.daemon.control.service import Service
 from kvoffload.daemon.ops.http import HttpServer
@@ -29,9 +30,6 @@ from kvoffload.daemon.streams.publish import DaemonEvents
 from prometheus_client import Gauge
 
 log = logging.getLogger("kvoffload.daemon")
-
-# Frames queued per client before libzmq stops reading from it (see _bind).
-RCVHWM_FRAMES = 8
 
 # The shared index as earlier daemons (and shared_index.py so far) write it, with no mark at
 # its end: recognized by its header's magic.
@@ -82,12 +80,10 @@ class ServerStartup:
     def _bind(self) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        # Hard cap above the typed-error limit (frames between the two get ``too_large``): a
-        # peer sending more is disconnected by libzmq before the frame is buffered whole.
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
-        # Unread frames per client: RCVHWM x MAXMSGSIZE bounds the bytes one client can make
-        # the daemon hold; beyond it libzmq stops reading that peer (back-pressure).
-        sock.setsockopt(zmq.RCVHWM, RCVHWM_FRAMES)
+        # MAXMSGSIZE and RCVHWM bound what one connection can make the daemon hold
+        # (frames.socket_limits, docs/security.md).
+        for option, value in socket_limits(self.config).items():
+            sock.setsockopt(option, value)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if self.curve is not None:
             self.curve.configure(sock)  # before bind: CURVE server + ZAP allow-list

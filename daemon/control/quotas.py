@@ -1,6 +1,10 @@
 """Per-client quotas and the namespace-reset rule (docs/security.md, "Quotas").
 
-One client (one DEALER identity) may hold at once at most:
+A quota is counted per *client group*, not per connection, so that opening more connections
+gets a process no more of the pool: the clients of one engine (``Register.instance``: its
+sessions across re-attaches) form one group, else the clients of one process (on ipc, the
+pid libzmq reads from the socket's SO_PEERCRED), else one connection is its own group (tcp,
+or an ipc peer in another pid namespace). One group may hold at once at most:
 
 * ``pending``: slots it prepared or claimed and has not committed, plus its reservation
   (``client_max_pending``; 0: the pool share's number of slots);
@@ -21,6 +25,8 @@ import hmac
 import logging
 import os
 import stat
+from collections.abc import Container, Sized
+from typing import Protocol
 
 from kvoffload.daemon.config import Config
 from kvoffload.daemon.control import protocol as p
@@ -35,6 +41,12 @@ log = logging.getLogger("kvoffload.daemon")
 # pool is not split below what one long request stores or loads at once.
 FLOOR_SLOTS = 64
 UNLIMITED = 1 << 62
+
+GroupKey = tuple[str, int | bytes]
+
+
+class _Live(Container[bytes], Sized, Protocol):
+    """The identities of the clients with a lease (``Leases.clients``)."""
 
 
 def read_operator_token(path: str | None) -> str | None:
@@ -67,6 +79,50 @@ class Quotas:
         self.operator_token = read_operator_token(config.operator_token_file)
         for reason in ("quota_pending", "quota_pins", "peer_identities", "reset_forbidden"):
             metrics.refused.labels(reason)
+        self._pid: dict[bytes, int] = {}  # identity -> the pid behind its ipc connection
+        self._group_of: dict[bytes, GroupKey] = {}
+        self._groups: dict[GroupKey, dict[bytes, ClientState]] = {}
+
+    def note_client(self, identity: bytes, pid: int, live: _Live) -> None:
+        """A frame of an identity without a lease: the pid of its connection (0: unknown).
+        Forgets identities gone from ``live`` once there are twice as many (amortized)."""
+        if pid > 0:
+            self._pid[identity] = pid
+        if len(self._group_of) + len(self._pid) > 4 * len(live) + 256:
+            self._pid = {i: v for i, v in self._pid.items() if i in live}
+            for ident in [i for i in self._group_of if i not in live]:
+                self._leave(ident)
+
+    def group(self, client: ClientState) -> GroupKey:
+        if client.owner:  # the engine it registered as, in every session of it
+            return ("engine", client.owner)
+        pid = self._pid.get(client.identity)
+        return ("process", pid) if pid else ("client", client.identity)
+
+    def _leave(self, identity: bytes) -> None:
+        key = self._group_of.pop(identity, None)
+        if key is None:
+            return
+        members = self._groups.get(key, {})
+        members.pop(identity, None)
+        if not members:
+            self._groups.pop(key, None)
+
+    def members(self, client: ClientState) -> list[ClientState]:
+        """The clients that share ``client``'s quotas, itself included. A member holding
+        nothing is dropped (it counts nothing); it joins again when it asks for room, which
+        every path that takes a slot or a pin does first."""
+        key = self.group(client)
+        if self._group_of.get(client.identity) != key:  # new, or registered since
+            self._leave(client.identity)
+            self._group_of[client.identity] = key
+        group = self._groups.setdefault(key, {})
+        group[client.identity] = client  # the live state (a new one after a Bye)
+        for ident, other in list(group.items()):
+            if other is not client and not self.held(other):
+                del group[ident]
+                self._group_of.pop(ident, None)
+        return list(group.values())
 
     def _share(self) -> int:
         n = self.index.pool.num_slots
@@ -78,27 +134,29 @@ class Quotas:
         return len(client.pins) + len(client.pending) + len(client.reserved)
 
     def _limit(self) -> int | None:
-        """Slots one client may hold; None when that is the whole pool (then the pool's own
+        """Slots one group may hold; None when that is the whole pool (then the pool's own
         ``no_space`` answers, not a quota)."""
         share = self._share()
         return None if share >= self.index.pool.num_slots else share
 
     def room_pending(self, client: ClientState) -> int:
         """How many more slots this client may prepare, claim or reserve now."""
+        group = self.members(client)
         limit = self._limit()
         cap = self.config.client_max_pending or limit or UNLIMITED
-        room = cap - len(client.pending) - len(client.reserved)
+        room = cap - sum(len(c.pending) + len(c.reserved) for c in group)
         if limit is not None:
-            room = min(room, limit - self.held(client))
+            room = min(room, limit - sum(map(self.held, group)))
         return max(0, room)
 
     def room_pins(self, client: ClientState) -> int:
         """How many more pins this client may take now (a second pin of a slot counts too)."""
+        group = self.members(client)
         limit = self._limit()
         cap = self.config.client_max_pins or limit or UNLIMITED
-        room = cap - sum(client.pins.values())
+        room = cap - sum(sum(c.pins.values()) for c in group)
         if limit is not None:
-            room = min(room, limit - self.held(client))
+            room = min(room, limit - sum(map(self.held, group)))
         return max(0, room)
 
     def refused(self, kind: str, n: int = 1) -> None:

@@ -28,7 +28,7 @@ from kvoffload.daemon.control.registration import (  # noqa: F401 - re-exported:
     MIN_SLOTS,
     validate_geometry,
 )
-from kvoffload.daemon.control.steps import StepHandler
+from kvoffload.daemon.control.steps import MAX_ITEM_TOKENS, StepHandler
 from kvoffload.daemon.control.upkeep import ServiceUpkeep
 from kvoffload.daemon.lookup.cost import TailCost, TimeModel
 from kvoffload.daemon.lookup.handler import LookupHandler
@@ -269,6 +269,9 @@ class Service(ServiceUpkeep):
         self._check_keys(ns, [it.key for it in msg.items])
         if any(not 0 <= it.end_token < 1 << 32 for it in msg.items):  # index stores uint32
             raise _bad("end_token must be in 0..2**32-1")
+        if any(it.token_ids and len(it.token_ids) > MAX_ITEM_TOKENS for it in msg.items):
+            self.metrics.refused.labels("token_ids").inc()  # kept to the commit: as in a Step
+            raise _bad(f"a store item has over {MAX_ITEM_TOKENS} token ids; that is the limit")
         outcomes: list[p.StoreOutcome] = []
         slots: list[int] = []
         evicted: list[bytes] = []
