@@ -36,7 +36,12 @@ SUITES: dict[str, tuple[str, str]] = {
     "hybrid_chat": ("kvoffload.bench.suites.hybrid_chat", "run_hybrid_chat_bench"),
     "engine_chat": ("kvoffload.bench.suites.engine_chat", "run_engine_chat_bench"),
     "sharing": ("kvoffload.bench.suites.sharing", "run_sharing_bench"),
+    "trace": ("kvoffload.bench.suites.trace", "run_trace_bench"),
+    "restart": ("kvoffload.bench.suites.restart", "run_restart_bench"),
 }
+# Options some suites take (``kvoffload bench --trace FILE --trace-scale T``), passed on to a
+# suite whose function has a parameter of that name, when given.
+SUITE_OPTIONS = ("trace", "trace_scale")
 # Suites measured against vLLM's own code that still run without it (ours alone): their
 # missing ratio is "not run: vLLM baseline not run: why", not a miss with "no ratio measured".
 VLLM_BASELINE = {"events"}
@@ -87,11 +92,12 @@ class Progress:
 
 
 def _call(fn: Callable[..., dict[str, Any]], quick: bool, say: Callable[[str], None],
-          seed: int | None = None) -> dict[str, Any]:
+          seed: int | None = None, options: dict[str, Any] | None = None) -> dict[str, Any]:
     # Suites that report phases take ``progress``, seed-aware ones ``seed``; the others are
     # called as before.
     params = inspect.signature(fn).parameters
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {k: v for k, v in (options or {}).items()
+                              if k in params and v is not None}
     if "progress" in params:
         kwargs["progress"] = say
     if seed is not None and "seed" in params:
@@ -112,7 +118,7 @@ def _suite(name: str) -> Callable[[bool], dict[str, Any]] | None:
 
 
 def run_suite(name: str, fn: Callable[..., dict[str, Any]], quick: bool, seeds: int,
-              progress: Progress) -> dict[str, Any]:
+              progress: Progress, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """One suite, once or once per seed; never raises (a broken suite must not hide the
     others' numbers)."""
     started = time.perf_counter()
@@ -120,7 +126,7 @@ def run_suite(name: str, fn: Callable[..., dict[str, Any]], quick: bool, seeds: 
     for seed in range(seeds) if takes_seed(fn) else [None]:
         say = progress.suite(name if seed is None or seeds == 1 else f"{name} seed {seed}")
         try:
-            result = _call(fn, quick, say, seed)
+            result = _call(fn, quick, say, seed, options)
         except Exception as exc:
             result = {"ratio": None, "target": None, "meets": False, "error": repr(exc)}
         progress.done()
@@ -158,6 +164,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     fns = {name: _suite(name) for name in names}
     total = sum(args.seeds if fn is not None and takes_seed(fn) else 1 for fn in fns.values())
     progress = Progress(total)
+    options = {k: getattr(args, k, None) for k in SUITE_OPTIONS}
     results: dict[str, Any] = {}
     try:
         for name in names:
@@ -168,7 +175,7 @@ def _run_bench(args: argparse.Namespace) -> int:
                     "error": "suite not available in this build"})
                 progress.done()
                 continue
-            results[name] = run_suite(name, fn, args.quick, args.seeds, progress)
+            results[name] = run_suite(name, fn, args.quick, args.seeds, progress, options)
     finally:
         progress.close()
     command = "kvoffload " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if len(

@@ -17,5 +17,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run each seed-aware suite with seeds 0..N-1 and report the spread")
     b.add_argument("--verbose", action="store_true",
                    help="keep vLLM's and Mooncake's own logging on stderr")
+    b.add_argument("--trace", metavar="FILE",
+                   help="a Mooncake FAST'25 format trace (JSON lines: timestamp, input_length, "
+                        "output_length, hash_ids) for the trace and restart suites; default: "
+                        "a generated one")
+    b.add_argument("--trace-scale", type=int, metavar="T",
+                   help="tokens each 512-token hash id of the trace stands for (a multiple of "
+                        "16; default 16)")
     b.add_argument("--out", default="bench-results", help="folder for JSON and Markdown results")
     b.set_defaults(handler=run_bench)

@@ -1,0 +1,276 @@
+"""trace suite: a production trace through N vLLM engines, one daemon vs per-engine offload.
+
+``kvoffload bench --suite trace --trace FILE [--trace-scale T]`` replays a Mooncake FAST'25
+trace (bench/trace_replay.py; without ``--trace``, the seeded Mooncake-like trace of
+bench/trace_gen.py). Each of 3 windows of consecutive requests, in timestamp order, through
+N engines (vLLM 0.33's core ``Scheduler`` + WORKER connector each, attention-only, 16-token
+blocks, one hash id = ``T`` tokens), once per routing (bench/routing.py: round-robin, random,
+KV-aware on GPU prefixes, and KV-aware that also sees each engine's own CPU cache; the trace
+has no conversation ids, so no sticky routing), at equal total host memory counted in blocks
+(bench/vllm_peers.py says why blocks):
+
+* ``ours``: every engine with our plugin on ONE ``kvoffload serve`` process of ``host`` slots;
+  every load's bytes checked; the daemon's RssAnon sampled over the run;
+* ``vllm``: each engine its own ``CPUOffloadingSpec`` with ``host / N`` chunks, in each of
+  vLLM's configurations (store policy chunk / request x eviction LRU / ARC); the best of them
+  in each window and routing is the baseline (chosen after the fact: the peer's best case);
+* ``ceiling``: the trace's unbounded prefix hits (an infinite cache shared by every engine).
+
+Sizes (state them with any number): GPU ``gpu_blocks`` per engine, host memory 4x that per
+engine (a 2 TB node of 8 GPUs has ~3-6x its GPU KV memory in DRAM), all of it in one pool for
+ours. ``ratio`` = median over windows of ours / best vLLM offload-hit tokens at 4 engines
+with ``kv_aware_cpu`` routing, the router per-engine caches do best under (target >= 1.2;
+``kv_aware`` when that one is not run); ``ratio_<routing>`` the same per routing. Verify
+failures must be 0. ``run_rss`` (``--rss``): the whole trace through one daemon, its RssAnon. Run alone: ``python -m kvoffload.bench.suites.trace [--full] [--trace F]``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.bench.proc import daemon_process
+from kvoffload.bench.routing import Router
+from kvoffload.bench.seeds import reason_of
+from kvoffload.bench.suites.load import rss_anon
+from kvoffload.bench.trace_replay import (
+    Replay,
+    Scale,
+    TraceRequest,
+    ceiling_tokens,
+    load_trace,
+    parse_trace,
+    window_starts,
+)
+from kvoffload.bench.vllm_baseline import mark_not_run
+from kvoffload.bench.vllm_peers import CONFIGS, offload_engine, pool_slots
+
+TARGET = 1.2
+ROUTINGS = ("round_robin", "random", "kv_aware", "kv_aware_cpu")
+HEADLINE = ("kv_aware_cpu", "kv_aware")  # the first one run: the peer's best router
+HOST_PER_GPU = 4  # host blocks per GPU block and engine
+
+
+@dataclass(frozen=True)
+class Sizes:
+    windows: int
+    window: int  # requests
+    gpu_blocks: int  # per engine: the trace's longest prompt (247 ids) must fit
+    configs: tuple[str, ...]  # vLLM configurations run
+
+
+SIZES = {True: Sizes(3, 60, 192, ("chunk-lru", "request-lru")),  # quick
+         False: Sizes(3, 1000, 512, CONFIGS)}
+
+
+def _shape() -> Any:
+    from kvoffload.bench.vllm_engine import Shape
+
+    # Attention only (the trace's model is): prefixes are block-aligned, no partial tails.
+    return Shape(mamba_groups=0, unit=16)
+
+
+def generated_trace(requests: int | None = None) -> list[TraceRequest]:
+    """bench/trace_gen.py's trace, seed 0: the shipped test trace's 400 requests by default
+    (full runs without ``--trace`` ask for more, so that their windows do not overlap)."""
+    from kvoffload.bench.trace_gen import SHIPPED, dumps, generate
+
+    records = generate(requests or SHIPPED["requests"], seed=SHIPPED["seed"])
+    return parse_trace(dumps(records).splitlines(), "generated")
+
+
+def _rss_stats(samples: list[int]) -> dict[str, Any]:
+    """RssAnon over the run; ``growth_after_fill``: end minus the sample at a quarter of the
+    run (by then the pool is full and evicting: what grows after is per-request state)."""
+    if not samples:
+        return {}
+    q = samples[len(samples) // 4]
+    return {"start": samples[0], "end": samples[-1], "max": max(samples), "samples": len(samples),
+            "growth_after_fill": samples[-1] - q, "every": samples}
+
+
+def run_ours(window: Sequence[TraceRequest], routing: str, engines: int, gpu: int, host: int,
+             scale: Scale, *, seed: int = 0, rss_every: int = 50,
+             before: Callable[[Replay, int, str], None] | None = None) -> dict[str, Any]:
+    """One daemon of ``host`` slots for every engine; ``before(replay, i, control)`` runs
+    ahead of request ``i`` (the restart suite replaces an engine there)."""
+    from kvoffload.bench.vllm_engine import plugin_engine
+
+    shape = _shape()
+    with daemon_process("--lease-ms", "600000", pool_bytes=host * shape.page,
+                        slot_bytes=0) as (proc, ready):
+        started = [plugin_engine(ready["control"], gpu_blocks=gpu, shape=shape)
+                   for _ in range(engines)]
+        replay = Replay(started, Router(routing, engines, seed=seed), scale)
+        rss: list[int] = []
+        try:
+            if pool_slots(started[0]) != host:
+                raise AssertionError(f"pool has {pool_slots(started[0])} slots, {host} asked")
+
+            def hook(i: int) -> None:
+                if i % rss_every == 0:
+                    rss.append(rss_anon(proc.pid))
+                if before is not None:
+                    before(replay, i, ready["control"])
+
+            replay.run(window, before=hook)
+            rss.append(rss_anon(proc.pid))
+            out = replay.result()
+        finally:
+            for e in replay.engines:
+                e.shutdown()
+    out["daemon_rss_anon"] = _rss_stats(rss)
+    out["served"] = replay.served
+    return out
+
+
+def run_vllm(window: Sequence[TraceRequest], routing: str, engines: int, gpu: int, host: int,
+             scale: Scale, config: str, *, seed: int = 0,
+             before: Callable[[Replay, int, str], None] | None = None) -> dict[str, Any]:
+    """Each engine its own vLLM CPU offload of ``host // engines`` chunks."""
+    started = [offload_engine(host // engines, config, gpu_blocks=gpu, shape=_shape())
+               for _ in range(engines)]
+    replay = Replay(started, Router(routing, engines, seed=seed), scale, verify=False)
+    try:
+        replay.run(window, before=None if before is None else (
+            lambda i: before(replay, i, config)))
+        out = replay.result()
+    finally:
+        for e in replay.engines:
+            e.shutdown()
+    out["served"] = replay.served
+    return out
+
+
+def _cell(window: Sequence[TraceRequest], routing: str, n: int, gpu: int, host: int,
+          scale: Scale, configs: Sequence[str], ceiling: int, seed: int) -> dict[str, Any]:
+    theirs = {c: run_vllm(window, routing, n, gpu, host, scale, c, seed=seed) for c in configs}
+    mine = run_ours(window, routing, n, gpu, host, scale, seed=seed)
+    best = max(configs, key=lambda c: theirs[c]["offload_hit_tokens"])
+    cell: dict[str, Any] = {"ours": mine, "vllm": theirs, "vllm_best": best}
+    b = theirs[best]["offload_hit_tokens"]
+    # Per-engine offload that serves nothing at all: ours is infinitely better, or both are 0.
+    cell["ratio"] = (round(mine["offload_hit_tokens"] / b, 3) if b else
+                     float("inf") if mine["offload_hit_tokens"] else None)
+    for r in (mine, *theirs.values()):
+        r.pop("served", None)
+        r["hit_ratio_vs_ceiling"] = round((r["gpu_tokens"] + r["offload_hit_tokens"])
+                                          / ceiling, 3) if ceiling else None
+    return cell
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values),
+            "n": len(values)} if values else {"min": None, "median": None, "max": None, "n": 0}
+
+
+def run_trace_bench(quick: bool = True, *, trace: str | None = None, trace_scale: int = 16,
+                    engines: int = 4, routings: Sequence[str] = ROUTINGS,
+                    n_windows: int | None = None, window: int | None = None,
+                    gpu_blocks: int | None = None, configs: Sequence[str] | None = None,
+                    progress: Any = None) -> dict[str, Any]:
+    say = progress or (lambda _msg: None)
+    size = SIZES[quick]
+    n_windows, window = n_windows or size.windows, window or size.window
+    gpu = gpu_blocks or size.gpu_blocks
+    configs = tuple(configs or size.configs)
+    host = engines * HOST_PER_GPU * gpu
+    scale = Scale(trace_scale, 16)
+    out: dict[str, Any] = {
+        "ratio": None, "target": TARGET, "meets": False, "direction": ">=",
+        "trace": trace or "generated (bench/trace_gen.py, seed 0, 400 requests)",
+        "tokens_per_id": trace_scale, "engines": engines, "gpu_blocks_per_engine": gpu,
+        "host_blocks_total": host, "host_blocks_per_engine_vllm": host // engines,
+        "vllm_configs": list(configs), "routings": list(routings),
+        "ratio_means": "offload-hit tokens, one shared daemon / the best per-engine vLLM CPU "
+                       "offload configuration at equal host blocks, KV-aware routing that also "
+                       "sees each engine's CPU cache (the peer's best router), median over "
+                       "windows",
+    }
+    if mark_not_run(out):
+        return out
+    if scale.tokens_per_id % scale.block:
+        raise ValueError(f"--trace-scale {trace_scale}: must be a multiple of {scale.block}")
+    requests = load_trace(trace) if trace else generated_trace(
+        None if quick else n_windows * window)
+    if not trace:
+        out["trace"] = f"generated (bench/trace_gen.py, seed 0, {len(requests)} requests)"
+    starts = window_starts(len(requests), n_windows, window)
+    out["windows"] = []
+    missed = []
+    for w, first in enumerate(starts):
+        win = requests[first:first + window]
+        ceiling = sum(ceiling_tokens(win, scale))
+        row: dict[str, Any] = {"first_request": first, "requests": len(win),
+                               "minutes": round((win[-1].timestamp_ms - win[0].timestamp_ms)
+                                                / 60000, 2), "ceiling_tokens": ceiling}
+        for routing in routings:
+            say(f"window {w + 1}/{len(starts)}, {routing}: vLLM {len(configs)} configs, ours")
+            cell = _cell(win, routing, engines, gpu, host, scale, configs, ceiling, seed=w)
+            row[routing] = cell
+            ours = cell["ours"]
+            if ours["verify_failures"] or ours["failed_loads"] or ours["unaccounted_tokens"]:
+                missed.append(f"window {w + 1} {routing}: {ours['verify_failures']} wrong "
+                              f"loads, {ours['failed_loads']} failed, "
+                              f"{ours['unaccounted_tokens']} tokens unaccounted")
+        row["prompt_tokens"] = row[routings[0]]["ours"]["prompt_tokens"]
+        out["windows"].append(row)
+    for routing in routings:
+        ratios = [r[routing]["ratio"] for r in out["windows"] if r[routing]["ratio"] is not None]
+        out[f"ratio_{routing}"] = statistics.median(ratios) if ratios else None
+        out[f"windows_{routing}"] = _spread(ratios)
+    head = next((r for r in HEADLINE if r in routings), routings[0])
+    out["headline_routing"] = head
+    out["ratio"] = out[f"ratio_{head}"]
+    out["seeds"] = out[f"windows_{head}"]  # the runner's spread column: windows here
+    if out["ratio"] is None:
+        missed.append("no vLLM offload hit in any window: ratio undefined")
+    elif engines == 4 and out["ratio"] < TARGET:
+        missed.append(f"{head}: ratio {out['ratio']} < {TARGET} (median of "
+                      f"{out['seeds']['n']} windows)")
+    out["meets"] = not missed
+    out["reason"] = reason_of(missed)
+    return out
+
+
+def run_rss(requests: Sequence[TraceRequest], *, engines: int = 4, gpu: int = 512,
+            host: int = 8192, every: int = 250, scale: Scale | None = None) -> dict[str, Any]:
+    """The whole trace through one daemon (round-robin): its RssAnon every ``every`` requests.
+    The public trace's 12,031 requests on 8,192 slots is where the daemon's heap used to grow
+    ~19 MB (the recently-evicted key set: daemon/streams/publish.py ``RecentKeys`` now)."""
+    out = run_ours(requests, "round_robin", engines, gpu, host, scale or Scale(),
+                   rss_every=every)
+    out.pop("served")
+    return out
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+    import json
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    ap = argparse.ArgumentParser(prog="python -m kvoffload.bench.suites.trace")
+    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--trace")
+    ap.add_argument("--trace-scale", type=int, default=16)
+    ap.add_argument("--window", type=int)
+    ap.add_argument("--routing", action="append", choices=ROUTINGS)
+    ap.add_argument("--rss", action="store_true",
+                    help="the whole trace through one daemon, its RssAnon over the run")
+    args = ap.parse_args(argv)
+    if args.rss:
+        requests = load_trace(args.trace) if args.trace else generated_trace()
+        print(json.dumps(run_rss(requests, scale=Scale(args.trace_scale, 16)), indent=2))
+        return
+    print(json.dumps(run_trace_bench(
+        not args.full, trace=args.trace, trace_scale=args.trace_scale, window=args.window,
+        routings=tuple(args.routing or ROUTINGS),
+        progress=lambda m: print(f"  {m} ...", file=sys.stderr)), indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
