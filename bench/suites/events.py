@@ -1,8 +1,14 @@
 """KV-event publishing throughput: our EventPublisher vs vLLM's ZmqEventPublisher.
 
-Both publish the same prebuilt batches (BlockStored with 16 token ids per block; 1 and 8 events
-per batch) end to end over tcp loopback to one subscriber process that counts events. Both
-publishers connect to the subscriber's bound SUB socket, so one sink serves every round.
+Both publish the same prebuilt batches (BlockStored with 16 token ids per block) end to end over
+tcp loopback to one subscriber process that counts events. Both publishers connect to the
+subscriber's bound SUB socket, so one sink serves every round. Batch sizes: 1 and 8 events,
+and 32 and 256: vLLM publishes one batch per engine step, and a busy engine's step stores tens
+to hundreds of blocks (a 2,048-token prefill step of 16-token blocks: 128).
+
+CPU per event: this process's CPU time (``time.process_time``: every thread, so the ZMQ I/O
+thread and vLLM's publisher thread count too) from the first timed publish until the sink
+reported, over the events it received. The sink's own CPU is not in it.
 
 Timing: t0 is taken in this process right before the first timed `publish`, the end is the sink's
 receipt of the last timed event (`time.monotonic` is system-wide on Linux, so both processes
@@ -34,6 +40,7 @@ from prometheus_client import CollectorRegistry
 __all__ = ["run_events_bench"]
 
 TARGET = 4.0  # issue 15's done-means: >= 4x vLLM's publisher at 1 event per batch
+STEP_BATCHES = (32, 256)  # events per batch of a busy engine's step
 TOKENS_PER_BLOCK = 16
 HWM = 1_000_000
 _IDLE_MS = 2000
@@ -112,7 +119,7 @@ def _round_ours(conn: Connection, ep: str, batches: list[EventBatch], per: int) 
             pub.publish(EventBatch(ts=-1.0, events=[]))
             await asyncio.sleep(0.002)
         conn.recv()
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         for i, batch in enumerate(batches):
             pub.publish(batch)
             if i & 255 == 255:
@@ -120,8 +127,9 @@ def _round_ours(conn: Connection, ep: str, batches: list[EventBatch], per: int) 
         while not conn.poll(0):
             await asyncio.sleep(0.0005)
         count, t_last = conn.recv()
+        cpu = time.process_time() - cpu0
         await pub.aclose(flush=False)
-        return {"events": count, "seconds": t_last - t0}
+        return {"events": count, "seconds": t_last - t0, "cpu_s": cpu}
 
     try:
         import uvloop
@@ -140,13 +148,14 @@ def _round_vllm(conn: Connection, ep: str, batches: list[Any], per: int) -> dict
         while not conn.poll(0.002):
             pub.publish(KVEventBatch(ts=-1.0, events=[]))
         conn.recv()
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         for batch in batches:
             pub.publish(batch)
         count, t_last = conn.recv()
+        cpu = time.process_time() - cpu0
     finally:
         pub.shutdown()
-    return {"events": count, "seconds": t_last - t0}
+    return {"events": count, "seconds": t_last - t0, "cpu_s": cpu}
 
 
 def _vllm_batches(n: int, per: int) -> list[Any]:
@@ -173,25 +182,29 @@ def _load_vllm() -> tuple[bool, str]:
 def run_events_bench(
     quick: bool, n_batches: int | None = None, rounds: int | None = None
 ) -> dict[str, Any]:
-    """Events/s of ours vs vLLM's publisher, 1 and 8 events per batch; medians of `rounds`."""
+    """Events/s and CPU per event of ours vs vLLM's publisher, 1, 8, 32 and 256 events per
+    batch; medians of `rounds`."""
     n1 = n_batches or (40_000 if quick else 200_000)
     n8 = max(1, n1 // 4)
+    sizes = ((1, n1), (8, n8), *((per, max(1, 2 * n1 // per)) for per in STEP_BATCHES))
     rounds = rounds or (1 if quick else 3)
     have_vllm, baseline = _load_vllm()
     ctx = mp.get_context("spawn")  # no fork: this process may hold ZMQ/asyncio state
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_sink, args=(child,), daemon=True)
     proc.start()
-    result: dict[str, Any] = {"target": TARGET, "rounds": rounds, "n_batches": {1: n1, 8: n8}}
+    result: dict[str, Any] = {"target": TARGET, "rounds": rounds,
+                              "n_batches": {per: n for per, n in sizes}}
     try:
         if not parent.poll(60):
             raise RuntimeError("event sink did not start")
         ep = parent.recv()
-        for per, n in ((1, n1), (8, n8)):
+        for per, n in sizes:
             ours_b = _ours_batches(n, per)
             vllm_b = _vllm_batches(n, per) if have_vllm else []
             ours: list[float] = []
             theirs: list[float] = []
+            cpu: dict[str, list[float]] = {"ours": [], "vllm": []}  # µs per event
             lost = {"ours": 0, "vllm": 0}
             # Everything built so far (vLLM's import, the batches) would otherwise be scanned
             # by full GC passes inside whichever timed round comes first.
@@ -208,6 +221,9 @@ def run_events_bench(
                         r = _round_vllm(parent, ep, vllm_b, per)
                         theirs.append(r["events"] / r["seconds"])
                         lost["vllm"] += n * per - r["events"]
+                    else:
+                        continue
+                    cpu[who].append(1e6 * r["cpu_s"] / max(1, r["events"]))
             gc.unfreeze()
             suffix = "" if per == 1 else f"_{per}"
             mine = statistics.median(ours)
@@ -216,6 +232,8 @@ def run_events_bench(
             result[f"vllm_events_per_s{suffix}"] = round(base) if base else None
             result[f"ratio{suffix}"] = round(mine / base, 2) if base else None
             result[f"lost_events{suffix}"] = lost
+            result[f"cpu_us_per_event{suffix}"] = {
+                k: round(statistics.median(v), 3) if v else None for k, v in cpu.items()}
         parent.send(None)
     finally:
         proc.join(5)

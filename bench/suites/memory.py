@@ -6,7 +6,13 @@
   is small) filled through its control socket with PrepareStore / CommitStore of 10k keys per
   message; RSS is /proc/PID/status ``RssAnon`` (the pool's shared pages are ``RssShmem``).
 
-Targets: 256 B per block, 300 MB RSS at 1M blocks. ``ratio`` = bytes per block at the largest
+* Node total at the largest fill: the daemon's RssAnon + the shared index file (one 64-byte
+  entry per slot and the change ring, in shared memory, mapped by the daemon and every
+  engine, counted once) + one ``IndexView`` per engine (``ENGINES`` of them): the dict of READY
+  keys each engine's manager keeps from the index (tracemalloc around building one over the
+  filled daemon's index, as an engine attaching to it does).
+
+Targets: 256 B per block, 300 MB RSS at 1M blocks (the node total is reported, no target). ``ratio`` = bytes per block at the largest
 size / 256 (target 1.0, lower is better); ``meets`` also needs the RSS target.
 
 The RSS at 1M is measured in both modes: filling the daemon to 1M blocks takes ~10 s, and
@@ -24,6 +30,7 @@ Run alone: ``python -m kvoffload.bench.suites.memory [--full]``.
 from __future__ import annotations
 
 import gc
+import os
 import random
 import tempfile
 import time
@@ -126,12 +133,40 @@ def daemon_rss(sizes: Sequence[int], progress: Callable[[str], None] | None = No
                     done += len(batch)
                 rss[str(size)] = _rss_anon(proc.pid)
             stats = clients[0].stats()
-            return {"rss_anon_bytes": rss, "ready_blocks": stats["ready"],
-                    "fill_seconds": round(time.perf_counter() - t0, 2),
-                    "fill_batch": BATCH}
+            out = {"rss_anon_bytes": rss, "ready_blocks": stats["ready"],
+                   "fill_seconds": round(time.perf_counter() - t0, 2), "fill_batch": BATCH}
+            say(f"an engine's view of the index at {top:,} blocks")
+            return {**out, **node_total(info["control"], geometry, rss[str(top)])}
         finally:
             for client in clients:
                 client.close()
+
+
+def node_total(control: str, geometry: Geometry, daemon_anon: int) -> dict[str, Any]:
+    """What the node spends on the index: the daemon's heap, the shared index file, and one
+    engine-side ``IndexView`` per engine (measured once, counted ``ENGINES`` times)."""
+    from kvoffload.connector.index_view import IndexView
+
+    reader = DaemonClient(control, timeout_ms=120_000, name="bench memory view")
+    try:
+        reg = reader.register_reader(geometry)
+        shared = os.path.getsize(reg.index_path)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            view = IndexView(reg.index_path, reg.engine, reg.daemon_id)
+            view_bytes = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+        keys = len(view.ready)
+        view.close()
+    finally:
+        reader.close()
+    total = daemon_anon + shared + ENGINES * view_bytes
+    return {"shared_index_bytes": shared, "index_view_bytes": view_bytes,
+            "index_view_keys": keys, "node_engines": ENGINES, "node_total_bytes": total,
+            "node_bytes_per_block": round(total / max(1, keys), 1)}
 
 
 def run_memory_bench(quick: bool = True, *, sizes: Sequence[int] | None = None,
