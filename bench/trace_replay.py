@@ -206,7 +206,9 @@ class Replay:
         engine.run(max_steps=self.max_steps)
         recomputed = engine.prefill_tokens.pop(req_id, 0)
         started = engine.first_start.pop(req_id, 0)
-        hit = self._answer.pop(req_id, 0) if req_id in self._loaded else 0
+        answer = self._answer.pop(req_id, 0)
+        # An answer whose load never ran (a GPU hit covered it) served nothing.
+        hit = answer if req_id in self._loaded else 0
         self._loaded.discard(req_id)
         del self._prompts[req_id]
         engine.replies.pop(req_id, None)
