@@ -367,7 +367,9 @@ def test_kubernetes_variant_wires_vllm_to_the_daemon(variant: str) -> None:
         assert volumes[mounts[sock_mount]]["hostPath"]["path"] == sock_dir
     for _, espec, engine in engines:
         cfg = json.loads(_arg(engine, "--kv-transfer-config") or "")
-        assert cfg["kv_connector"] == "OffloadingConnector" and cfg["kv_role"] == "kv_both"
+        # Our connector: a load whose slots were reused is recomputed, not a stopped engine.
+        assert cfg["kv_connector"] == "KVOffloadConnector" and cfg["kv_role"] == "kv_both"
+        assert cfg["kv_connector_module_path"] == "kvoffload.connector.vllm"
         extra = cfg["kv_connector_extra_config"]
         assert extra["spec_name"] == "KVOffloadSpec"
         assert extra["spec_module_path"] == "kvoffload.connector.vllm"
