@@ -34,15 +34,23 @@ def _shm_free() -> int:
     return vfs.f_bavail * vfs.f_frsize
 
 
-def test_a_fresh_engine_on_a_4gib_pool_stores_at_once_and_then_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("connector", ["OffloadingConnector", "KVOffloadConnector"])
+def test_a_fresh_engine_on_a_4gib_pool_stores_at_once_and_then_loads(tmp_path: Path,
+                                                                      connector: str) -> None:
     if _shm_free() < POOL + (1 << 30):  # the pool, its index, and room for everyone else
         pytest.skip(f"/dev/shm has {_shm_free() >> 20} MiB free; this test needs "
                     f"{(POOL >> 20) + 1024} MiB")
-    from kvoffload.bench.vllm_engine import Shape, plugin_engine
+    from kvoffload.bench.vllm_engine import MiniEngine, Shape
+
+    from tests.plugin_common import plugin_config
 
     with run_daemon(tmp_path, pool_bytes=POOL) as d:  # the first engine sizes the slots
         started = time.monotonic()
-        e = plugin_engine(d.control, shape=Shape(row=ROW))
+        module = "kvoffload.connector.vllm" if connector == "KVOffloadConnector" else None
+        # The engine's default kvoffload_timeout_ms (500), which the first Register outlasted.
+        config = plugin_config(d.control, kvoffload_copy_async=False, kvoffload_timeout_ms=500)
+        e = MiniEngine(config, connector=connector, connector_module=module,
+                       shape=Shape(row=ROW))
         attached_s = time.monotonic() - started  # the engine waits for its attach at start
         observer = DaemonClient(d.control, timeout_ms=30_000)
         stats = observer.stats()
@@ -66,7 +74,8 @@ def test_a_fresh_engine_on_a_4gib_pool_stores_at_once_and_then_loads(tmp_path: P
         lag = scrape_metrics(d.http_url)
         slow_turns = metric_sum(lag, "kvoffload_event_loop_lag_seconds_count") - metric_sum(
             lag, "kvoffload_event_loop_lag_seconds_bucket", le="0.1")
-        print(f"4 GiB pool, {stats['num_slots']} slots: engine attached in {attached_s:.2f} s; "
+        print(f"{connector}, 4 GiB pool, {stats['num_slots']} slots: engine built and "
+              f"attached in {attached_s:.2f} s; "
               f"{slow_turns:.0f} loop turns over 100 ms")
         e.shutdown()
         observer.close()
