@@ -12,7 +12,10 @@ minutes on the public trace): offload-hit tokens, GPU hits, recomputed tokens; t
 every engine. Same sizes and memory rule as the trace suite (equal host blocks; vLLM in each
 of its configurations, the best after the fact is the baseline). ``ratio`` = median over 3
 windows of ours / best vLLM offload-hit tokens on the restarted engine after the restart
-(target >= 2). Run alone: ``python -m kvoffload.bench.suites.restart [--full] [--trace F]``.
+(target >= 2); ``ratio_all_engines`` the same over every engine. Both also hold the shared
+pool's advantage without any restart (the trace suite's ratio): ``lost_to_restart`` (full
+runs) is what the restart itself cost each side. Run alone: ``python -m
+kvoffload.bench.suites.restart [--full] [--trace F] [--routing round_robin]``.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def _after(served: Sequence[Served], first: int, last: int) -> dict[str, Any]:
 
 
 def _run(kind: str, window: list[Any], at: int | None, gpu: int, host: int, scale: Scale,
-         engines: int, seed: int) -> dict[str, Any]:
+         engines: int, seed: int, routing: str = ROUTING) -> dict[str, Any]:
     """One replay of ``kind`` (ours, or a vLLM configuration); ``at`` None: no restart."""
     from kvoffload.bench.vllm_engine import plugin_engine
 
@@ -70,18 +73,24 @@ def _run(kind: str, window: list[Any], at: int | None, gpu: int, host: int, scal
         replay.replace(RESTARTED, fresh)
 
     if kind == "ours":
-        return run_ours(window, ROUTING, engines, gpu, host, scale, seed=seed, before=restart)
-    return run_vllm(window, ROUTING, engines, gpu, host, scale, kind, seed=seed,
+        return run_ours(window, routing, engines, gpu, host, scale, seed=seed, before=restart)
+    return run_vllm(window, routing, engines, gpu, host, scale, kind, seed=seed,
                     before=restart)
+
+
+def _ratio(ours: int, theirs: int) -> float | None:
+    return round(ours / theirs, 3) if theirs else (float("inf") if ours else None)
 
 
 def run_restart_bench(quick: bool = True, *, trace: str | None = None, trace_scale: int = 16,
                       engines: int = 4, before: int | None = None, after_s: float | None = None,
                       n_windows: int | None = None, gpu_blocks: int | None = None,
                       configs: Sequence[str] | None = None, controls: bool | None = None,
-                      progress: Any = None) -> dict[str, Any]:
+                      routing: str = ROUTING, progress: Any = None) -> dict[str, Any]:
     """``controls`` (default: full runs): the same windows without a restart too, so that
-    what the restart cost each side shows (``lost_to_restart``)."""
+    what the restart cost each side shows (``lost_to_restart``: on the restarted engine and
+    over all engines; with a closed-loop routing the requests the restarted engine gets differ
+    between the two runs, with ``round_robin`` they are the same)."""
     say = progress or (lambda _msg: None)
     sizes, (plan_before, plan_after, plan_windows) = SIZES[quick], PLAN[quick]
     before = before or plan_before
@@ -97,7 +106,7 @@ def run_restart_bench(quick: bool = True, *, trace: str | None = None, trace_sca
     out: dict[str, Any] = {
         "ratio": None, "target": TARGET, "meets": False, "direction": ">=",
         "trace": trace or "generated (bench/trace_gen.py, seed 0, 400 requests)",
-        "engines": engines, "routing": ROUTING, "restarted_engine": RESTARTED,
+        "engines": engines, "routing": routing, "restarted_engine": RESTARTED,
         "requests_before_restart": before, "after_s": after_s, "gpu_blocks_per_engine": gpu,
         "host_blocks_total": host, "vllm_configs": list(configs),
         "ratio_means": "offload-hit tokens on the restarted engine in the trace time after its "
@@ -124,21 +133,24 @@ def run_restart_bench(quick: bool = True, *, trace: str | None = None, trace_sca
         row: dict[str, Any] = {"first_request": first, "requests": len(window),
                                "requests_after": len(window) - before}
         for kind in (*configs, "ours"):
-            got = _run(kind, window, before, gpu, host, scale, engines, seed=w)
+            got = _run(kind, window, before, gpu, host, scale, engines, w, routing)
             row[kind] = {**_after(got.pop("served"), before, len(window)), "run": got}
-        best = max(configs, key=lambda c: row[c]["restarted_engine"]["offload_hit_tokens"])
-        b = row[best]["restarted_engine"]["offload_hit_tokens"]
-        o = row["ours"]["restarted_engine"]["offload_hit_tokens"]
+        hits = {k: {part: row[k][part]["offload_hit_tokens"]
+                    for part in ("restarted_engine", "all_engines")} for k in (*configs, "ours")}
+        best = max(configs, key=lambda c: hits[c]["restarted_engine"])
         row["vllm_best"] = best
-        row["ratio"] = round(o / b, 3) if b else (float("inf") if o else None)
+        row["ratio"], row["ratio_all_engines"] = (
+            _ratio(hits["ours"][part], max(hits[c][part] for c in configs))
+            for part in ("restarted_engine", "all_engines"))
         if controls:  # the best vLLM configuration and ours, never restarted
             for kind in (best, "ours"):
-                got = _run(kind, window, None, gpu, host, scale, engines, seed=w)
-                kept = _after(got.pop("served"), before, len(window))["restarted_engine"]
-                had = kept["offload_hit_tokens"]
+                got = _run(kind, window, None, gpu, host, scale, engines, w, routing)
+                kept = _after(got.pop("served"), before, len(window))
                 row[kind]["no_restart"] = kept
-                row[kind]["lost_to_restart"] = (round(1 - row[kind]["restarted_engine"][
-                    "offload_hit_tokens"] / had, 3) if had else None)
+                row[kind]["lost_to_restart"] = {
+                    part: (round(1 - hits[kind][part] / kept[part]["offload_hit_tokens"], 3)
+                           if kept[part]["offload_hit_tokens"] else None)
+                    for part in ("restarted_engine", "all_engines")}
         run = row["ours"]["run"]
         if run["verify_failures"] or run["failed_loads"] or run["unaccounted_tokens"]:
             missed.append(f"window {w + 1}: {run['verify_failures']} wrong loads, "
@@ -148,6 +160,9 @@ def run_restart_bench(quick: bool = True, *, trace: str | None = None, trace_sca
     ratios = [r["ratio"] for r in out["windows"] if r["ratio"] is not None]
     out["seeds"] = _spread(ratios)  # the runner's spread column: windows here
     out["ratio"] = statistics.median(ratios) if ratios else None
+    every = [r["ratio_all_engines"] for r in out["windows"] if r["ratio_all_engines"]]
+    out["ratio_all_engines"] = statistics.median(every) if every else None
+    out["windows_all_engines"] = _spread(every)
     if out["ratio"] is None:
         missed.append("no offload hit on the restarted engine in any window")
     elif out["ratio"] < TARGET:
@@ -167,7 +182,8 @@ if __name__ == "__main__":
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--trace")
     ap.add_argument("--trace-scale", type=int, default=16)
+    ap.add_argument("--routing", default=ROUTING)
     args = ap.parse_args()
     print(json.dumps(run_restart_bench(
-        not args.full, trace=args.trace, trace_scale=args.trace_scale,
+        not args.full, trace=args.trace, trace_scale=args.trace_scale, routing=args.routing,
         progress=lambda m: print(f"  {m} ...", file=sys.stderr)), indent=2))

@@ -43,3 +43,6 @@ def test_memory_node_total_counts_daemon_shared_index_and_every_view() -> None:
     assert r["shared_index_bytes"] >= 64 * 3_000 and r["index_view_bytes"] > 0
     assert r["node_total_bytes"] == (r["rss_anon_bytes"]["3000"] + r["shared_index_bytes"]
                                      + ENGINES * r["index_view_bytes"])
+    if "vllm_manager_bytes_per_block" in r:  # the same blocks, each indexed once by vLLM
+        assert r["vllm_node_total_bytes"] == round(r["vllm_manager_bytes_per_block"]
+                                                   * r["index_view_keys"])
