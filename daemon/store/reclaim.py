@@ -62,13 +62,16 @@ class Writers(Protocol):
 
 
 class Reader:
-    __slots__ = ("record", "processed", "epoch", "blocking_since")
+    __slots__ = ("record", "processed", "epoch", "held_at", "blocking_since")
 
     def __init__(self, record: Writers | None, epoch: int) -> None:
         self.record = record  # its session file (reader record), None for none
         self.processed = 0  # its messages the daemon has handled (Step count)
         self.epoch = epoch  # epoch of its last handled Step (or its registration)
-        self.blocking_since: float | None = None  # since when it holds the oldest retired slot
+        # The floor it showed last, and since when that floor first held a retired slot back
+        # (kept until the floor moves, whether or not slots are waiting meanwhile).
+        self.held_at: int | None = None
+        self.blocking_since: float | None = None
 
 
 class Reclaimer:
@@ -115,21 +118,27 @@ class Reclaimer:
     def floor(self) -> int | None:
         """The oldest epoch some reader may still act on; None: nobody holds anything.
 
-        A reader that has held the oldest retired slot back for ``hold_s`` is passed over."""
+        A reader whose floor has not moved for ``hold_s`` since it first held a retired slot
+        back is passed over: a step takes milliseconds, so an honest reader's floor moves (or
+        it goes idle between steps) long before. The clock restarts only when its floor moves,
+        so a frozen or lying reader is not granted a fresh bound with every new retirement."""
         fence.full()  # our retirements are visible before we read any record
         oldest = self._retired[0][0] if self._retired else None
         now = time.monotonic()
         low: int | None = None
         for r in self.readers.values():
             f = self._floor_of(r)
-            if f is None or oldest is None or f >= oldest:
-                r.blocking_since = None
-            elif r.blocking_since is None:
-                r.blocking_since = now
-            elif now - r.blocking_since > self.hold_s:
-                self.passed_over += 1
-                continue  # its late loads fail their generation check and recompute
-            if f is not None and (low is None or f < low):
+            if f != r.held_at:
+                r.held_at, r.blocking_since = f, None
+            if f is None:
+                continue
+            if oldest is not None and f < oldest:
+                if r.blocking_since is None:
+                    r.blocking_since = now
+                elif now - r.blocking_since > self.hold_s:
+                    self.passed_over += 1
+                    continue  # its late loads fail their generation check and recompute
+            if low is None or f < low:
                 low = f
         return low
 
