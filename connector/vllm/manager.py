@@ -7,9 +7,11 @@ answer here is a dict lookup in ``IndexView`` -- the daemon's index as this engi
 own manager. No message is sent on the lookup path:
 
 * the first call of a scheduler step refreshes the view (one integer read when nothing
-  changed) and reads the replies of earlier steps; ``on_schedule_end`` sends the step's one
-  ``Step`` message without waiting: the pins of this step's loads, releases of finished loads,
-  store claims, lower-tier finds, per-request lookup reports, a reservation refill;
+  changed) and reads the replies of earlier steps; ``on_schedule_end`` sends the step's
+  ``Step`` without waiting when it carries what cannot wait (the pins of this step's loads,
+  store claims, lower-tier finds, a reservation refill); commits, releases of finished loads
+  and lookup reports ride the next such message (``LAZY_STEPS`` at most, or at once when vLLM
+  has no request left);
 * ``prepare_load`` hands the workers each key's (slot, generation) as read; the daemon pins
   them on arrival, and epoch-based reclamation (``daemon/store/reclaim.py``) keeps a slot's bytes
   until then. A slot that went to another writer fails its generation check in the worker, and
@@ -19,10 +21,10 @@ own manager. No message is sent on the lookup path:
   slots, of a request vLLM will offer again, answers None (vLLM offers the same keys next
   step, when the refill this step asks for is in) rather than dropping keys; "already stored"
   is read from the view, never from a private memory that goes stale;
-* commits ride the next step's ``Step`` (handled before its pins); until the view shows a
-  store READY the manager answers for its own stores itself -- PENDING, or HIT once the
-  daemon holds the claim -- however long the daemon takes, and once the daemon has answered a
-  claim the view decides (a block another engine evicted is a MISS, offered again at once);
+* until the view shows a store READY the manager answers for its own stores itself
+  (``own_stores.py``): PENDING, or HIT once committed and the daemon holds the claim (the
+  daemon applies a Step's commits before its pins), however long the daemon takes; once it
+  has answered a claim the view decides (a block another engine evicted is a MISS at once);
 * a key missing from the pool answers RETRY when the daemon has a disk or Mooncake tier, and
   the step's ``finds`` ask the tier; a promotion shows in the index as PENDING, then READY;
 * when the daemon is down, frozen or restarted, lookups answer MISS and nothing is stored
@@ -37,9 +39,15 @@ from collections.abc import Collection
 from typing import Any
 
 from kvoffload.connector.session import IndexSession
+from kvoffload.connector.vllm.batch import StepBatch as _Batch
 from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
 from kvoffload.connector.vllm.own_stores import OwnStores
-from kvoffload.connector.vllm.requests import RequestInfo, lookup_report, store_item
+from kvoffload.connector.vllm.requests import (
+    RequestInfo,
+    lookup_report,
+    offered_again,
+    store_item,
+)
 from kvoffload.connector.vllm.reservation import Reservation
 from kvoffload.connector.vllm.settings import ManagerSettings
 from kvoffload.daemon.base import Geometry, GroupKind, key_group
@@ -59,6 +67,7 @@ from vllm.v1.kv_offload.base import (
 
 log = logging.getLogger("kvoffload.connector.vllm")
 ATTACH_WAIT_S = 10.0  # longest wait for the first registration, at engine start only
+LAZY_STEPS = 4  # steps a commit, release or lookup report may wait for a message to ride
 
 HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                              LookupResult.RETRY)
@@ -97,6 +106,11 @@ class DaemonOffloadingManager(OffloadingManager):
         self._not_found: dict[bytes, int] = {}  # key -> step it was not found
         self._after_reset: tuple[list[p.SlotRef], list[p.SlotRef]] | None = None
         self._batch = _Batch()
+        self._held = -1  # the step since which the batch holds items that could wait
+        self._waited = False  # this step waited for our claims' replies already
+        self._flush = False  # vLLM has no request left: send what waits at the next step
+        self._live: set[str] = set()  # requests vLLM has not finished
+        self._deferred: dict[str, int] = {}  # request -> keys its last store deferred
         self._ready: dict[bytes, tuple[int, int]] = {}
         self._not_worth: set[bytes] = set()
 
@@ -114,6 +128,7 @@ class DaemonOffloadingManager(OffloadingManager):
     def _begin(self) -> None:
         """First call of a step: refresh the view, read replies. Sets ``_busy``."""
         self._busy = True
+        self._waited = False
         replies = self.session.begin()
         view = self.session.view
         # The view's own containers, bound for this step (empty ones when offline).
@@ -131,6 +146,17 @@ class DaemonOffloadingManager(OffloadingManager):
             self._absorb(reply)
         if view is not None and self.own.committed:
             self.own.settle(view)  # replies read before the refresh: the view decides
+
+    def _wait_claims(self) -> None:
+        """Once per step, only when a lookup wants our own committed store whose claim the
+        daemon has not answered yet (it almost always has: claims go out two steps before
+        their commits): wait up to ``sync_ms`` for the replies, rather than defer it."""
+        self._waited = True
+        for reply in self.session.poll():  # arrived already, unread
+            self._absorb(reply)
+        if self.own.unapplied:
+            for reply in self.session.wait_replies(self.settings.sync_ms):
+                self._absorb(reply)
 
     def _absorb(self, r: p.StepReply) -> None:
         self.reservation.answered(r.rid, r.granted, r.no_space)
@@ -169,9 +195,11 @@ class DaemonOffloadingManager(OffloadingManager):
         if view is None:
             return MISS  # offline: vLLM computes, nothing waits
         if key in self.own:
-            # Our own store, committed, its claim in the index: the daemon holds it PENDING in
-            # our slot and takes our commit before any pin of the same or a later Step.
-            return HIT if self.own.hit(key, view) else PENDING
+            # Our own store, committed, its claim answered: the daemon holds it PENDING in our
+            # slot and takes our commit before any pin of the same or a later Step.
+            if key in self.own.committed and not self._waited and not self.own.hit(key):
+                self._wait_claims()
+            return HIT if self.own.hit(key) else PENDING
         if key in view.pending:
             return PENDING
         if self._tiers:
@@ -231,15 +259,18 @@ class DaemonOffloadingManager(OffloadingManager):
         if not new:
             return _empty_store()
         res = self.reservation
-        res.demand += len(new)
+        # Keys offered again after a None count once: the demand is what the prefill adds.
+        res.demand += len(new) - min(len(new), self._deferred.pop(req_context.req_id, 0))
         if len(res.slots) < len(new):
             for reply in self.session.poll():  # a refill that came in since the step began
                 self._absorb(reply)
         if len(res.slots) < len(new):
-            if res.covers(len(new)) and self._offered_again(new, req_context):
+            if res.covers(len(new)) and offered_again(self.requests.get(req_context.req_id),
+                                                      new, req_context, self._cow, self._block):
                 # vLLM keeps these keys and offers them again next step, when the refill this
                 # step asks for is at hand: a step later, nothing lost, nothing waited for.
                 self.counters["stores_deferred"] += len(new)
+                self._deferred[req_context.req_id] = len(new)
                 return None
             # Offered once only (a finished request, a tail, a copy-on-write state) or more
             # than the daemon grants us: the longest prefix that fits (keys in prefix order).
@@ -248,21 +279,6 @@ class DaemonOffloadingManager(OffloadingManager):
             if not new:
                 return _empty_store()
         return self._claim(new, req_context)
-
-    def _offered_again(self, keys: list[OffloadKey], ctx: ReqContext) -> bool:
-        """Whether vLLM offers ``keys`` again after a None: complete chunks of a request still
-        running, from its regular store path (``_build_store_jobs``). Partial tails and
-        copy-on-write states come from a hand-off vLLM makes once, and a finished request is
-        not asked again; without the request (vLLM's stock connector) we cannot tell."""
-        info = self.requests.get(ctx.req_id)
-        if info is None or info.finished():
-            return False
-        for key in keys:
-            group = key_group(key)
-            end = ctx.get_offload_key_position(key)
-            if group in self._cow or not end or end % self._block.get(group, 1):
-                return False
-        return True
 
     def _claim(self, new: list[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:
         info = self.requests.get(req_context.req_id)
@@ -307,6 +323,7 @@ class DaemonOffloadingManager(OffloadingManager):
         # tail only half loaded is stored once the request fills it (the vLLM 0.33 gap).
         policy = (OffloadPolicy.REQUEST_LEVEL if self.settings.policy == "request"
                   else OffloadPolicy.CHUNK_LEVEL)
+        self._live.add(req_context.req_id)
         return RequestOffloadingContext(policy=policy)
 
     def track(self, request: Any) -> None:
@@ -319,40 +336,60 @@ class DaemonOffloadingManager(OffloadingManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.requests.pop(req_context.req_id, None)
+        self._live.discard(req_context.req_id)
+        self._deferred.pop(req_context.req_id, None)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         for reply in self.session.poll():  # grants, refusals, finds of earlier steps
             self._absorb(reply)
-        batch, self._batch = self._batch, _Batch()
-        want, back = self.reservation.end_step()
-        if self.session.attached and (batch or want or back):
-            block = self.geometry.groups[0].tokens_per_block
-            lookups = [r if isinstance(r, p.LookupReport) else lookup_report(block, *r)
-                       for r in batch.lookups]
-            unreserve = [p.SlotRef(b"", *ref) for ref in back]
-
-            def build(rid: int, engine: int, epoch: int) -> p.Step:
-                return p.Step(rid=rid, engine=engine, epoch=epoch, pins=batch.pins,
-                              releases=batch.releases, claims=batch.claims,
-                              commits=batch.commits, aborts=batch.aborts, unreserve=unreserve,
-                              reserve=want, finds=batch.finds, lookups=lookups)
-
-            # sync: the next step's read waits (briefly) for the daemon to apply our claims.
-            rid = self.session.send(build, end_of_step=True, sync=bool(batch.claims))
-            if rid is not None:  # else the session is lost, and with it what was granted
-                self.reservation.sent(rid, want)
-                if batch.claims:
-                    self.own.sent(rid, [c.item.key for c in batch.claims])
-        else:
+        res, batch = self.reservation, self._batch
+        want = res.end_step()
+        if not self.session.attached:
+            self._batch = _Batch()  # offline: nothing of it means anything to a daemon
             self.session.end_idle()
-            if not self.session.attached:
-                self.session.settle()  # a re-attach finished: the next step serves again
+            self.session.settle()  # a re-attach finished: the next step serves again
+        elif batch.urgent() or res.needs_refill(want) or (batch and (
+                self._flush or not self._live or 0 <= self._held <= self._step - LAZY_STEPS)):
+            self._send(batch, want)
+        else:
+            # Commits, releases and lookup reports wait for the next message that must go
+            # out (pins, claims, finds), LAZY_STEPS at most: every message wakes ZMQ's I/O
+            # thread and the daemon, which on a busy host is time the scheduler thread loses.
+            if batch and self._held < 0:
+                self._held = self._step
+            self.session.end_idle()
         self._busy = False
         self._step += 1
 
+    def _send(self, batch: _Batch, want: int) -> None:
+        self._batch, self._flush, self._held = _Batch(), False, -1
+        block = self.geometry.groups[0].tokens_per_block
+        lookups = [r if isinstance(r, p.LookupReport) else lookup_report(block, *r)
+                   for r in batch.lookups]
+        unreserve = [p.SlotRef(b"", *ref) for ref in self.reservation.surplus()]
+
+        def build(rid: int, engine: int, epoch: int) -> p.Step:
+            return p.Step(rid=rid, engine=engine, epoch=epoch, pins=batch.pins,
+                          releases=batch.releases, claims=batch.claims, commits=batch.commits,
+                          aborts=batch.aborts, unreserve=unreserve, reserve=want,
+                          finds=batch.finds, lookups=lookups)
+
+        # sync: the next step's first read waits (sync_ms at most) for a refill it may need (a
+        # deferred store, fewer slots left than a step's demand); claims are waited for only
+        # by a lookup that wants them (_wait_claims).
+        sync = bool(self._deferred) or self.reservation.low()
+        rid = self.session.send(build, end_of_step=True, sync=sync)
+        if rid is not None:  # else the session is lost, and with it what was granted
+            self.reservation.sent(rid, want)
+            if batch.claims:
+                self.own.sent(rid, [c.item.key for c in batch.claims])
+
     def has_pending_work(self) -> bool:
-        # Keep the engine stepping while load pins wait to be released or commits to be sent.
-        return bool(self._batch)
+        # vLLM asks only once no request is left: then whatever waits goes out next step.
+        if self._batch:
+            self._flush = True
+            return True
+        return False
 
     def reset_cache(self) -> None:
         # Workers may still read pinned slots and write claimed ones until on_reset_flushed.
@@ -379,22 +416,3 @@ class DaemonOffloadingManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self.session.close()
-
-
-class _Batch:
-    """What one step sends."""
-
-    __slots__ = ("pins", "releases", "claims", "commits", "aborts", "finds", "lookups")
-
-    def __init__(self) -> None:
-        self.pins: list[p.SlotRef] = []
-        self.releases: list[p.SlotRef] = []
-        self.claims: list[p.StoreClaim] = []
-        self.commits: list[p.SlotRef] = []
-        self.aborts: list[p.SlotRef] = []
-        self.finds: list[bytes] = []
-        self.lookups: list[Any] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.pins or self.releases or self.claims or self.commits or self.aborts
-                    or self.finds or self.lookups)

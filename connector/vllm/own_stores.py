@@ -5,7 +5,7 @@ store's life here: claimed (a slot of the reservation, sent in the step's ``Step
 (the daemon applied the claim: the index holds the key PENDING in our slot), committed (the
 workers are done; the commit rides the next ``Step``), READY in the view. Until the view
 shows it READY the manager answers for it from here: PENDING, or HIT once committed and the
-claim is in the index (a load's pin travels after the commit on the same ordered socket).
+daemon has answered the claim (a load's pin travels after the commit on one ordered socket).
 
 Once the daemon has answered a claim, every reply absorbed so far was read before the view's
 last refresh, so the view is the truth for that key: READY (the view answers), still PENDING
@@ -80,10 +80,10 @@ class OwnStores:
                 self.committed.discard(key)
                 del slots[key]
 
-    def hit(self, key: bytes, view: _View) -> bool:
-        """Committed and its claim in the index in our slot: loadable now."""
-        ref = self.slots.get(key)
-        return ref is not None and key in self.committed and view.slot_of(key) == ref[0]
+    def hit(self, key: bytes) -> bool:
+        """Committed, and the daemon answered its claim: the index holds the key in our slot
+        (the workers check the index itself, not our view of it), so it loads now."""
+        return key in self.committed and key not in self.unapplied
 
     def done(self, key: bytes, success: bool) -> tuple[str, tuple[int, int]] | None:
         """vLLM reports the key's store done: ("commit" | "abort" | "reuse", its slot)."""

@@ -9,9 +9,11 @@ completes payloads from the engine's own KV-event stream where one is configured
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvoffload.daemon.base import key_group
 from kvoffload.daemon.control import protocol as p
 
 
@@ -58,6 +60,23 @@ def store_item(key: bytes, end: int | None, block: int, tokens_per_hash: int,
         end_token = end or 0
         return p.StoreItem(key=key, end_token=end_token, tail=end_token % block != 0)
     return info.store_item(key, end, block, tokens_per_hash)
+
+
+def offered_again(info: RequestInfo | None, keys: Collection[Any], ctx: Any,
+                  cow_groups: Collection[int], block: Mapping[int, int]) -> bool:
+    """Whether vLLM 0.33 offers ``keys`` again after ``prepare_store`` answered None: complete
+    chunks of a request still running, from its regular store path (``_build_store_jobs``
+    leaves ``next_stored_chunk_idx`` where it was). Partial tails and copy-on-write states come
+    from a hand-off vLLM makes once, a finished request is not asked again, and without the
+    request (vLLM's stock connector) nobody can tell."""
+    if info is None or info.finished():
+        return False
+    for key in keys:
+        group = key_group(key)
+        end = ctx.get_offload_key_position(key)
+        if group in cow_groups or not end or end % block.get(group, 1):
+            return False
+    return True
 
 
 def lookup_report(block: int, req_id: str, num_tokens: int, num_prompt: int, local: int,

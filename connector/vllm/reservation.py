@@ -46,17 +46,30 @@ class Reservation:
         for reaches the target, or, after a short answer, what the daemon let us hold."""
         return not self.no_space and n <= (self.ceiling if self.short else self.target())
 
-    def end_step(self) -> tuple[int, list[tuple[int, int]]]:
-        """At the step's end: (slots to ask for, slots to hand back); the next step starts."""
+    def end_step(self) -> int:
+        """At the step's end: how many slots to ask for; the next step starts."""
         target = self.target()
         self._recent.append(self.demand)
         self.demand = 0
-        want = target - len(self.slots) - self.asked
-        back: list[tuple[int, int]] = []
-        if len(self.slots) > HEADROOM * target:
-            back = self.slots[target:]
-            del self.slots[target:]
-        return max(0, want), back
+        return max(0, target - len(self.slots) - self.asked)
+
+    def low(self) -> bool:
+        """Fewer slots at hand than a step of the recent peak demand stores."""
+        return len(self.slots) < self.target() // HEADROOM
+
+    def needs_refill(self, want: int) -> bool:
+        """Whether a refill is worth a message of its own: the daemon answered the last ask
+        in full (a capped engine asks again with its next claims, not every step)."""
+        return want > 0 and not self.short and not self.no_space
+
+    def surplus(self) -> list[tuple[int, int]]:
+        """Slots beyond twice the target, taken out to be handed back."""
+        target = self.target()
+        if len(self.slots) <= HEADROOM * target:
+            return []
+        back = self.slots[target:]
+        del self.slots[target:]
+        return back
 
     def sent(self, rid: int, n: int) -> None:
         if n:

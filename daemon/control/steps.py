@@ -1,7 +1,7 @@
 """The ``Step`` handler: everything one scheduler step of an index-reading engine writes.
 
-An engine that answers vLLM from the shared index sends one ``Step`` per scheduler step and
-never waits for its reply (it reads it at a later step). Fields are handled in this order:
+An engine that answers vLLM from the shared index sends at most one ``Step`` per scheduler
+step and never waits for its reply (it reads it at a later step). Handled in this order:
 
 1. ``commits`` / ``aborts`` of this client's own pending stores only. First: the engine loads
    its own committed stores before it reads them READY, and their pins ride the same Step as
@@ -13,12 +13,14 @@ never waits for its reply (it reads it at a later step). Fields are handled in t
 3. ``releases``: the loads are done (pins drop; the block becomes most recently used).
 4. ``claims``: keys into slots of this client's reservation; a key stored meanwhile by another
    engine is answered in ``exists`` and the slot stays reserved for the next store.
-5. ``unreserve``, then ``reserve`` (refill, evicting as needed, bounded per client: what one
-   step's prefill stores, at any rate, fits; see ``reservation_cap``).
+5. ``unreserve``; then ``epoch``: the engine's pins above were decided from that view
+   (``reclaim.py``), so slots retired before it are reclaimed now, ahead of ``reserve``
+   (refill, evicting as needed, bounded per client: what one step's prefill stores, at any
+   rate, fits; see ``reservation_cap``) and the promotions of ``finds``.
 6. ``finds``: keys the pool misses are looked up in the lower tiers; a hit starts a promotion
    (the key reads PENDING in the index, then READY: nobody polls).
-7. ``lookups``: per-request outcomes, published as lookup events.
-8. Last, ``epoch``: the engine's pins above were decided from that view (``reclaim.py``).
+7. ``lookups``: per-request outcomes, published as lookup events; then the pool's free slots
+   are topped up ahead of the next stores (``keep_free``).
 """
 
 from __future__ import annotations
@@ -119,6 +121,10 @@ class StepHandler:
             if ref.slot in client.reserved:
                 client.reserved.discard(ref.slot)
                 idx.unreserve(ref.slot)
+        # The engine's pins above were decided from this view; what no reader can still see
+        # is free before the refill and the promotions below look for room.
+        idx.reclaimer.report(client.identity, msg.epoch)
+        idx.reclaim()
         self._reserve(client, msg.reserve, reply)
         self._finds(ns, msg.finds, reply)
         for r in msg.lookups:
@@ -132,8 +138,6 @@ class StepHandler:
             self.events.lookup(ns, query, answer, None if r.latency_us is None
                                else r.latency_us / 1e6)
             self.totals["lookups_reported"] += 1
-        idx.reclaimer.report(client.identity, msg.epoch)
-        idx.reclaim()
         ahead = idx.keep_free()
         if ahead:
             m.evictions.labels(idx.policy.name, "capacity").inc(ahead)

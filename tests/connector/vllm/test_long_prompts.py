@@ -119,7 +119,7 @@ def test_continuous_chat_at_2048_tokens_per_step_drops_no_store(tmp_path: Path) 
     with run_daemon(tmp_path, pool_bytes=40_000 * shape.page, slot_bytes=shape.page) as d:
         e = MiniEngine(plugin_config(d.control, kvoffload_copy_async=False),
                        connector="KVOffloadConnector", connector_module="kvoffload.connector.vllm",
-                       num_blocks=6_000, shape=shape, max_batched_tokens=2_048)
+                       num_blocks=2_500, shape=shape, max_batched_tokens=2_048)
         driver = Inflight(e, ChatMix(3, max_tokens=12_000, reply_cap=256), 48,
                           verify=True)
         for _ in range(700):
@@ -127,6 +127,6 @@ def test_continuous_chat_at_2048_tokens_per_step_drops_no_store(tmp_path: Path) 
         counters = e.connector.scheduler.manager.counters
         out = driver.result()
         e.shutdown()
-    assert counters["stores_offered"] > 5_000, counters  # the run did store, a lot
+    assert counters["stores_offered"] > 1_000, counters  # the run did store, a lot
     assert counters["stores_short_reservation"] == 0, counters
     assert out["loads"] > 0 and out["verify_failures"] == 0 and out["failed_loads"] == 0, out

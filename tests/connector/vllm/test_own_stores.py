@@ -163,7 +163,7 @@ def test_own_commits_load_while_the_daemon_is_stopped(daemon: DaemonHandle) -> N
     session = manager.session
     while (other.probe(keys) != [KeyStatus.HIT] * 4
            or session.counters["replies"] < session.counters["steps_sent"]):
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline, (other.probe(keys), session.counters)
         e.step()  # an idle step reads the replies
         time.sleep(0.01)
     assert manager.counters["pins_lost"] == 0

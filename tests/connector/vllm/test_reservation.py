@@ -14,15 +14,15 @@ def _grant(res: Reservation, rid: int, n: int, start: int = 0) -> None:
 
 def test_the_refill_follows_the_demand_of_recent_steps() -> None:
     res = Reservation(floor=64)
-    want, back = res.end_step()
-    assert (want, back) == (64, [])
+    want = res.end_step()
+    assert want == 64 and res.needs_refill(want)
     _grant(res, 1, 64)
     res.demand = 512  # a long prefill step offered 512 keys
     assert res.covers(512)  # deferring them is safe: the refill this step asks for covers it
-    want, _ = res.end_step()
+    want = res.end_step()
     assert want == HEADROOM * 512 - 64
     res.sent(2, want)
-    assert res.end_step() == (0, [])  # asked already, the reply still out: nothing more
+    assert res.end_step() == 0  # asked already, the reply still out: nothing more
     res.answered(2, [(100 + i, 1) for i in range(want)], no_space=False)
     assert len(res) == HEADROOM * 512 and res.asked == 0 and not res.short
 
@@ -30,24 +30,24 @@ def test_the_refill_follows_the_demand_of_recent_steps() -> None:
 def test_a_quiet_engine_hands_slots_back_after_the_window() -> None:
     res = Reservation(floor=8)
     res.demand = 100
-    want, _ = res.end_step()
-    _grant(res, 1, want)
+    _grant(res, 1, res.end_step())
     assert len(res) == 200
-    for _ in range(WINDOW):
-        want, back = res.end_step()
-        assert not back and want == 0
-    want, back = res.end_step()  # the burst left the window: 200 held, 8 wanted
-    assert len(back) == 192 and len(res) == 8 and want == 0
+    for _ in range(WINDOW - 1):
+        assert res.end_step() == 0 and res.surplus() == []
+    assert res.end_step() == 0  # the burst left the window: 200 held, 8 wanted
+    back = res.surplus()
+    assert len(back) == 192 and len(res) == 8
 
 
 def test_a_short_answer_bounds_what_a_deferral_may_count_on() -> None:
     res = Reservation(floor=4)
     res.demand = 300
-    want, _ = res.end_step()
+    want = res.end_step()
     res.sent(7, want)
     res.answered(7, [(i, 1) for i in range(100)], no_space=False)  # capped by the daemon
     assert res.short and res.ceiling == 100
     assert res.covers(100) and not res.covers(101)
+    assert not res.needs_refill(res.end_step())  # asked again with the next claims only
     res.sent(8, 10)
     res.answered(8, [], no_space=True)
     assert not res.covers(1)  # nothing is coming: store what fits instead

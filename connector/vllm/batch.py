@@ -1,0 +1,32 @@
+"""What one scheduler step of the manager sends in its ``Step`` (``manager.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvoffload.daemon.control import protocol as p
+
+
+class StepBatch:
+    """What the next ``Step`` carries. ``lookups`` holds ``LookupReport``s or the arguments
+    of one (``KVOffloadConnector``'s, built into a report when the message is built)."""
+
+    __slots__ = ("pins", "releases", "claims", "commits", "aborts", "finds", "lookups")
+
+    def __init__(self) -> None:
+        self.pins: list[p.SlotRef] = []
+        self.releases: list[p.SlotRef] = []
+        self.claims: list[p.StoreClaim] = []
+        self.commits: list[p.SlotRef] = []
+        self.aborts: list[p.SlotRef] = []
+        self.finds: list[bytes] = []
+        self.lookups: list[Any] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.pins or self.releases or self.claims or self.commits or self.aborts
+                    or self.finds or self.lookups)
+
+    def urgent(self) -> bool:
+        """Pins (ahead of the epoch that could free their slots), claims (our own commits
+        are loadable once the index holds them), finds (a tier answers a step later)."""
+        return bool(self.pins or self.claims or self.finds)
