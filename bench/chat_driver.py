@@ -198,6 +198,7 @@ class Inflight:
 
     def __init__(self, engine: Any, mix: ChatMix, n: int, *, verify: bool) -> None:
         self.engine, self.mix, self.n, self.verify = engine, mix, n, verify
+        engine.token_per_step = True  # decode steps as vLLM takes them: most steps are these
         self._live: dict[str, tuple[Any, ChatTurn]] = {}
         self._count = 0
         self.step_seconds: list[float] = []

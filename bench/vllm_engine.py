@@ -178,6 +178,7 @@ class MiniEngine:
         self.failed_loads: set[str] = set()  # requests vLLM was told had failed loads
         self._stores_due: list[int] = []
         self.replies: dict[str, list[int]] = {}  # scripted replies, sampled a block at a time
+        self.token_per_step = False  # True: one reply token per step, as vLLM decodes
         self.first_start: dict[str, int] = {}  # tokens already computed at a request's 1st step
         self.scheduler_seconds = 0.0  # in schedule() and update_from_output(), all steps
         self.last_step_seconds = 0.0  # the same, the latest step alone
@@ -243,7 +244,8 @@ class MiniEngine:
             return [1000 + end]
         done = len(req.output_token_ids)
         # Up to the next block edge: the next step computes them like a resumed prefill.
-        take = max(1, (end // self.shape.block + 1) * self.shape.block - end)
+        take = 1 if self.token_per_step else max(
+            1, (end // self.shape.block + 1) * self.shape.block - end)
         return script[done:done + take] or [1000 + end]
 
     def verify(self, req_id: str, tokens: list[int]) -> bool:

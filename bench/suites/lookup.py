@@ -1,6 +1,14 @@
-"""lookup suite: the call vLLM makes, through vLLM's own scheduler, ours against vLLM's.
+"""lookup suite: what the plugin costs vLLM's scheduler, ours against vLLM's own offloading.
 
-One 32k-token prompt of the qwen3.6 preset (tokens_per_hash 16, 1 attention + 3 Mamba groups,
+Headline, the whole step (``bench/whole_step.py``): vLLM 0.33's core Scheduler, ``schedule()``
++ ``update_from_output()`` timed per step, 48 requests in flight (continuous batching, a chat
+mix of shared system prompts and follow-ups), chunked prefill of 2,048 tokens, our plugin + a
+daemon process vs vLLM's ``CPUOffloadingSpec``, stepped alternately in one run, in the
+qwen3.6 hybrid geometry and attention-only (the latter also with ``big_resident`` blocks in
+the pool). ``ratio`` = ours p50 / vLLM p50 of the hybrid step (target <= 1.05),
+``p99_ratio`` (<= 1.5), ``attention_ratio``, ``attention_big_ratio`` the same.
+
+Secondary, the lookup alone (``lookup_only``): one 32k-token prompt of the qwen3.6 preset (tokens_per_hash 16, 1 attention + 3 Mamba groups,
 block 784), every complete chunk and the highest tail stored, looked up with
 ``OffloadingConnector.get_num_new_matched_tokens`` (fresh request state each time, the step
 closed after each, untimed), interleaved in one run:
@@ -10,10 +18,9 @@ closed after each, untimed), interleaved in one run:
   ``KVOffloadSpec``) and a live daemon (embedded on its own loop thread, real ipc sockets, its
   shared index in /dev/shm) holding 1k / 1M resident blocks (100k with --quick).
 
-``ratio`` = ours p50 / vLLM p50 (target <= 1.0), ``p99_ratio`` (target <= 1.5), and
-``blocking_round_trips_per_lookup`` (target 0: the plugin reads the shared index in place).
-Secondary, clearly named: ``bare_client``, one ``Lookup`` round trip of the non-vLLM client
-API (the demo's path), hashes packed outside the timing.
+ours p50 / vLLM p50 (target <= 1.0), p99 (<= 1.5), and ``blocking_round_trips_per_lookup``
+(target 0: the plugin reads the shared index in place). ``bare_client``: one ``Lookup``
+round trip of the non-vLLM client API (the demo's path), hashes packed outside the timing.
 Run alone: ``python -m kvoffload.bench.suites.lookup [--full]``.
 """
 
@@ -37,7 +44,8 @@ from kvoffload.daemon.lookup.plan import chunk_keys, tail_key
 
 __all__ = ["run_lookup_bench"]
 
-TARGET = 1.0
+TARGET = 1.05  # the whole step, ours p50 / vLLM's
+LOOKUP_TARGET = 1.0  # the lookup alone
 P99_TARGET = 1.5
 PROMPT_TOKENS = 32_768
 PRESET = "qwen3.6-27b-tp1"
@@ -236,34 +244,17 @@ def bare_client_lookup(tokens: list[int]) -> tuple[Callable[[], float], Callable
     return _timer(lambda: client.lookup([query])), close
 
 
-def run_lookup_bench(quick: bool = True, *, samples: int | None = None,
-                     big_resident: int | None = None,
-                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    say = progress or (lambda _msg: None)
-    samples = samples or (1000 if quick else 5000)
-    big = big_resident or (100_000 if quick else 1_000_000)
-    small = 1_000
-    out: dict[str, Any] = {
-        "ratio": None, "target": TARGET, "p99_target": P99_TARGET, "meets": False,
-        "preset": PRESET, "prompt_tokens": PROMPT_TOKENS, "samples": samples,
-        "ratio_means": "p50 of get_num_new_matched_tokens through vLLM 0.33's scheduler: over "
-                       "our plugin + a live daemon (1k resident) / over vLLM's own "
-                       "CPUOffloadingManager",
-        "residency_blocks": [small, big],
-        "method": "vLLM, ours (1k resident) and ours (big resident) sampled in interleaved "
-                  "rounds of 25; fresh request state and the scheduler step closed after each "
-                  "lookup, untimed, for both",
-    }
-    if mark_not_run(out):
-        return out
-    rng = random.Random(7)
-    tokens = [rng.randrange(150_000) for _ in range(PROMPT_TOKENS)]
+def _lookup_only(tokens: list[int], samples: int, small: int, big: int,
+                 say: Callable[[str], None]) -> dict[str, Any]:
+    """The lookup alone (the former headline), ours at ``small`` and ``big`` resident."""
+    out: dict[str, Any] = {"samples": samples, "residency_blocks": [small, big],
+                           "target": LOOKUP_TARGET, "p99_target": P99_TARGET}
     kinds: dict[str, Callable[[], float]] = {}
     closers: list[Callable[[], None]] = []
     try:
-        say("vLLM 0.33 scheduler over its CPU manager")
+        say("lookup alone: vLLM 0.33 scheduler over its CPU manager")
         kinds["vllm"], out["vllm_answer"] = vllm_lookup(tokens)
-        say(f"vLLM 0.33 scheduler over our plugin, daemons with {small:,} and {big:,} blocks")
+        say(f"lookup alone: over our plugin, daemons with {small:,} and {big:,} blocks")
         t0 = time.perf_counter()
         kinds["ours"], ours_info, close = plugin_lookup(tokens, small, seed=1)
         closers.append(close)
@@ -273,7 +264,6 @@ def run_lookup_bench(quick: bool = True, *, samples: int | None = None,
         kinds["bare_client"], close = bare_client_lookup(tokens)
         closers.append(close)
         times: dict[str, list[float]] = {k: [] for k in kinds}
-        say("interleaved rounds")
         rounds = max(1, samples // 25)
         for r in range(rounds + 1):
             for name, fn in kinds.items():
@@ -299,18 +289,66 @@ def run_lookup_bench(quick: bool = True, *, samples: int | None = None,
         (ours_info["blocking_round_trips"] + big_info["blocking_round_trips"]) / (2 * lookups), 4)
     out["answers_agree"] = (ours_info["hit_tokens"] == big_info["hit_tokens"]
                             == out["vllm_answer"]["hit_tokens"])
-    out["meets"] = (out["ratio"] <= TARGET and out["p99_ratio"] <= P99_TARGET
-                    and out["big_ratio"] <= TARGET and out["big_p99_ratio"] <= P99_TARGET
-                    and out["blocking_round_trips_per_lookup"] == 0 and out["answers_agree"])
-    missed = [f"{k} {out[k]} > {t}" for k, t in (("ratio", TARGET), ("p99_ratio", P99_TARGET),
-                                                 ("big_ratio", TARGET),
-                                                 ("big_p99_ratio", P99_TARGET))
-              if out[k] > t]
-    if out["blocking_round_trips_per_lookup"]:
-        missed.append(f"blocking_round_trips_per_lookup {out['blocking_round_trips_per_lookup']}"
-                      " > 0")
-    if not out["answers_agree"]:
-        missed.append("hit tokens differ between ours, ours_big and vLLM")
+    return out
+
+
+def _whole_steps(steps: int, big: int, say: Callable[[str], None]) -> dict[str, Any]:
+    from kvoffload.bench.whole_step import run_whole_step
+
+    runs = {"hybrid": run_whole_step("hybrid", steps, say=say),
+            "attention": run_whole_step("attention", steps, say=say)}
+    runs["attention_big"] = run_whole_step("attention", steps, resident=big, seed=1, say=say)
+    return runs
+
+
+def run_lookup_bench(quick: bool = True, *, samples: int | None = None,
+                     big_resident: int | None = None, steps: int | None = None,
+                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    say = progress or (lambda _msg: None)
+    samples = samples or (500 if quick else 5000)
+    big = big_resident or (100_000 if quick else 1_000_000)
+    steps = steps or (200 if quick else 2000)
+    out: dict[str, Any] = {
+        "ratio": None, "target": TARGET, "p99_target": P99_TARGET, "meets": False,
+        "preset": PRESET, "prompt_tokens": PROMPT_TOKENS, "steps": steps,
+        "ratio_means": "p50 of the whole scheduler step (schedule() + update_from_output(), 48 "
+                       "requests in flight, chat mix, chunked prefill of 2,048 tokens) of vLLM "
+                       "0.33's core Scheduler: over our plugin + a daemon process / over vLLM's "
+                       "own CPUOffloadingSpec, qwen3.6 hybrid geometry",
+        "method": "the two engines step alternately (the first of each pair alternates), same "
+                  "workload from the same seed; 50 warm-up steps not counted",
+    }
+    if mark_not_run(out):
+        return out
+    rng = random.Random(7)
+    tokens = [rng.randrange(150_000) for _ in range(PROMPT_TOKENS)]
+    out["whole_step"] = runs = _whole_steps(steps, big, say)
+    lookup = _lookup_only(tokens, samples, 1_000, big, say)
+    out["lookup_only"] = {k: v for k, v in lookup.items()
+                          if k not in ("vllm", "ours", "ours_big", "bare_client")}
+    for name in ("vllm", "ours", "ours_big", "bare_client"):  # the latency plot's rows
+        out[name] = lookup[name]
+    out["ratio"], out["p99_ratio"] = runs["hybrid"]["ratio"], runs["hybrid"]["p99_ratio"]
+    for name in ("attention", "attention_big"):
+        out[f"{name}_ratio"] = runs[name]["ratio"]
+        out[f"{name}_p99_ratio"] = runs[name]["p99_ratio"]
+    checks = [(f"{k} {out[k]}", out[k], t) for k, t in (
+        ("ratio", TARGET), ("p99_ratio", P99_TARGET), ("attention_ratio", TARGET),
+        ("attention_p99_ratio", P99_TARGET), ("attention_big_ratio", TARGET),
+        ("attention_big_p99_ratio", P99_TARGET))]
+    checks += [(f"lookup-only {k} {lookup[k]}", lookup[k], t) for k, t in (
+        ("ratio", LOOKUP_TARGET), ("p99_ratio", P99_TARGET), ("big_ratio", LOOKUP_TARGET),
+        ("big_p99_ratio", P99_TARGET))]
+    missed = [f"{what} > {t}" for what, value, t in checks if value > t]
+    wrong = sum(r["ours"]["verify_failures"] + r["ours"]["failed_loads"] for r in runs.values())
+    if wrong:
+        missed.append(f"{wrong} loads with wrong bytes or failed")
+    if lookup["blocking_round_trips_per_lookup"]:
+        missed.append(f"blocking_round_trips_per_lookup "
+                      f"{lookup['blocking_round_trips_per_lookup']} > 0")
+    if not lookup["answers_agree"]:
+        missed.append("lookup-only hit tokens differ between ours, ours_big and vLLM")
+    out["meets"] = not missed
     out["reason"] = reason_of(missed)
     return out
 

@@ -1,0 +1,126 @@
+"""The whole scheduler step, our plugin vs vLLM's own offloading, interleaved in one run.
+
+What a user pays per step is not the lookup alone: vLLM 0.33's ``schedule()`` (lookups, the
+store jobs of ``build_connector_meta``, our ``on_schedule_end`` with the step's one message)
+plus ``update_from_output()`` (``complete_store`` / ``complete_load``). Two ``MiniEngine``s
+(vLLM's real core Scheduler and connector, fake model, ``bench/vllm_engine.py``) serve the
+same continuous-batching chat (``chat_driver.Inflight``: ``IN_FLIGHT`` requests, multi-turn
+conversations over shared system prompts, chunked prefill of ``CHUNK`` tokens):
+
+* ``ours``: ``KVOffloadConnector`` + ``KVOffloadSpec`` (defaults) and a ``kvoffload serve``
+  process, its pool holding ``resident`` extra blocks, every load's bytes checked (untimed);
+* ``vllm``: vLLM's ``CPUOffloadingSpec`` (its worker needs CUDA: transfers complete without
+  copies; every scheduler-side decision is vLLM's own), the same number of host blocks.
+
+The two step alternately (which one goes first alternates too), so both see the same machine
+load; the first ``WARMUP`` steps fill the engines and are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable
+from typing import Any
+
+from kvoffload.bench.chat_driver import ChatMix, Inflight
+from kvoffload.bench.proc import daemon_process
+from kvoffload.bench.sim import percentile
+from kvoffload.bench.workload import PRESETS
+
+IN_FLIGHT = 48
+CHUNK = 2048
+WARMUP = 50
+ROW = 8  # KV bytes per token: the fake model's bytes stay small, every one still checked
+
+
+def geometry(kind: str) -> tuple[Any, int, int]:
+    """(Shape, GPU blocks per group, host blocks) of ``hybrid`` (qwen3.6-27b-tp1: 784-token
+    blocks, 16-token hashes, 1 attention + 3 Mamba align groups) or ``attention`` (16-token
+    blocks). The GPU holds little more than the requests in flight, so other traffic evicts
+    between a conversation's turns and some prefixes come back from the offload; the host
+    memory is four times the GPU's."""
+    from kvoffload.bench.vllm_engine import Shape
+
+    if kind == "hybrid":
+        p = PRESETS["qwen3.6-27b-tp1"]
+        shape = Shape(block=p.block_tokens, unit=p.tokens_per_hash, mamba_groups=p.mamba_groups,
+                      row=ROW, max_model_len=16_384)
+        return shape, 200, 800
+    if kind == "attention":
+        return Shape(block=16, unit=16, mamba_groups=0, row=ROW, max_model_len=16_384), 2500, 10000
+    raise ValueError(f"geometry is 'hybrid' or 'attention', not {kind!r}")
+
+
+def _fill(control: str, geometry: Any, count: int, seed: int) -> None:
+    """``count`` ready blocks nobody asks for, stored by another client (resident load)."""
+    from kvoffload.connector.client import DaemonClient
+    from kvoffload.daemon.control import protocol as p
+
+    writer = DaemonClient(control, timeout_ms=120_000, name="bench filler")
+    writer.register(geometry)
+    rng = random.Random(seed)
+    groups = len(geometry.groups)
+    for start in range(0, count, 1 << 14):
+        keys = [rng.randbytes(32) + (i % groups).to_bytes(4, "big")
+                for i in range(start, min(count, start + (1 << 14)))]
+        writer.prepare_store([p.StoreItem(key=k, end_token=0) for k in keys])
+        writer.commit_store(keys)
+    writer.close()
+
+
+def _stats(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    return {"p50_us": round(percentile(s, 50) * 1e6, 1), "p99_us": round(percentile(s, 99) * 1e6, 1),
+            "mean_us": round(sum(s) / max(1, len(s)) * 1e6, 1), "samples": len(s)}
+
+
+def run_whole_step(kind: str, steps: int, *, seed: int = 0, resident: int = 0,
+                   extra: dict[str, Any] | None = None,
+                   say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """Per-step scheduler times of ours and vLLM's over ``steps`` interleaved steps each."""
+    from kvoffload.bench.vllm_engine import MiniEngine
+
+    shape, gpu_blocks, host_blocks = geometry(kind)
+    groups = 1 + shape.mamba_groups
+    slots = host_blocks * groups + resident
+    with contextlib.ExitStack() as stack:
+        _proc, ready = stack.enter_context(daemon_process(
+            "--lease-ms", "600000", pool_bytes=slots * shape.page, slot_bytes=shape.page))
+        ours = MiniEngine({"spec_name": "KVOffloadSpec",
+                           "spec_module_path": "kvoffload.connector.vllm",
+                           "kvoffload_control": ready["control"], "kvoffload_copy_async": False,
+                           **(extra or {})},
+                          connector="KVOffloadConnector",
+                          connector_module="kvoffload.connector.vllm", num_blocks=gpu_blocks,
+                          shape=shape, max_batched_tokens=CHUNK)
+        stack.callback(ours.shutdown)
+        if resident:
+            say(f"{kind}: {resident:,} resident blocks")
+            _fill(ready["control"], ours.connector.scheduler.manager.geometry, resident, seed)
+        # vLLM's CPU spec holds one group block per chunk, padded to 4 KiB: the same count.
+        chunk = -(-shape.page // 4096) * 4096
+        theirs = MiniEngine({"spec_name": "CPUOffloadingSpec",
+                             "cpu_bytes_to_use": host_blocks * groups * chunk},
+                            real_worker=False, num_blocks=gpu_blocks, shape=shape,
+                            max_batched_tokens=CHUNK)
+        stack.callback(theirs.shutdown)
+        drivers = {"ours": Inflight(ours, ChatMix(seed), IN_FLIGHT, verify=True),
+                   "vllm": Inflight(theirs, ChatMix(seed), IN_FLIGHT, verify=False)}
+        for i in range(WARMUP + steps):
+            if i % 500 == 0:
+                say(f"{kind}: step {i}/{WARMUP + steps}")
+            order = ("ours", "vllm") if i % 2 else ("vllm", "ours")
+            for name in order:
+                drivers[name].step()
+        out: dict[str, Any] = {"kind": kind, "steps": steps, "in_flight": IN_FLIGHT,
+                               "chunk_tokens": CHUNK, "resident_blocks": resident,
+                               "gpu_blocks_per_group": gpu_blocks, "host_blocks": host_blocks}
+        for name, d in drivers.items():
+            out[name] = {**_stats(d.step_seconds[WARMUP:]), **d.result()}
+        out["ours"]["manager"] = dict(ours.connector.scheduler.manager.counters)
+        out["ours"]["session"] = dict(ours.connector.scheduler.manager.session.counters)
+    p50 = out["ours"]["p50_us"] / max(1e-9, out["vllm"]["p50_us"])
+    p99 = out["ours"]["p99_us"] / max(1e-9, out["vllm"]["p99_us"])
+    out["ratio"], out["p99_ratio"] = round(p50, 3), round(p99, 3)
+    return out
