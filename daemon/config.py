@@ -110,7 +110,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # SIGTERM waits at most this long for pinned loads to finish before the index is
     # superseded (which fails loads still copying); 0: do not wait.
     drain_ms: int = 5_000
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = 8 << 20  # one client can make the daemon hold ~40x this (security.md)
     max_keys_per_request: int = 1 << 16
     max_clients: int = 1024
     # The index published in shared memory for engines to read in place (<pool_path>.index).

@@ -103,8 +103,10 @@ def _metric(d: DaemonHandle, name: str, **labels: str) -> float:
 @pytest.fixture
 def daemon(tmp_path) -> Iterator[DaemonHandle]:
     # Resets here are about pins, not consent: any registrant may drop the namespace.
+    # 64 MiB messages: one test here sends a 32 MiB lookup (the default is 8 MiB).
     with run_daemon(tmp_path, "--lease-ms", "60000", slot_bytes=1024,
-                    env={"KVOFFLOAD_RESET_NAMESPACE": "any"}) as d:
+                    env={"KVOFFLOAD_RESET_NAMESPACE": "any",
+                         "KVOFFLOAD_MAX_MESSAGE_BYTES": "64MiB"}) as d:
         yield d
 
 

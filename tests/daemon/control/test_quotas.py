@@ -34,9 +34,10 @@ def refused(d: DaemonHandle, reason: str) -> float:
     return metric_sum(scrape_metrics(d.http_url), "kvoffload_refused_total", reason=reason)
 
 
-def client(d: DaemonHandle, control: str | None = None) -> DaemonClient:
+def client(d: DaemonHandle, control: str | None = None, instance: str = "") -> DaemonClient:
+    """``instance``: the engine it registers as (quotas are per engine, else per process)."""
     c = DaemonClient(control or d.control, timeout_ms=5000)
-    c.register(GEOM)
+    c.register(GEOM, instance=instance)
     return c
 
 
@@ -134,7 +135,7 @@ def test_one_client_cannot_hold_more_than_its_share_of_the_pool(tmp_path: Path) 
     # 512 slots, a quarter each: 128 slots held at once (pending, pins, reservation).
     with run_daemon(tmp_path, pool_bytes=512 << 10, slot_bytes=1024,
                     env={"KVOFFLOAD_CLIENT_POOL_SHARE_PCT": "25"}) as d:
-        a, b = client(d), client(d)
+        a, b = client(d, instance="hog"), client(d, instance="fair")
         ks = keys("hog", 132)
         grant = a.prepare_store([p.StoreItem(key=k, end_token=16) for k in ks])
         assert grant.outcomes == [p.StoreOutcome.GRANTED] * 128 + [p.StoreOutcome.QUOTA] * 4
@@ -252,6 +253,7 @@ def test_plugin_stores_what_its_quota_allows_and_counts_the_rest(tmp_path: Path)
         deadline = time.monotonic() + 30
         while other.probe(ks) != [KeyStatus.HIT] * 3 + [KeyStatus.MISS]:
             assert time.monotonic() < deadline, other.probe(ks)
+            end_step(conn)  # the commits ride the next step's message
             time.sleep(0.01)
         end_step(conn)
         manager.shutdown()
