@@ -12,7 +12,10 @@ user's turns), and the same host memory (``POOL_BYTES`` at full scale = 167 grou
   transfers complete without moving bytes (the scheduler decisions are vLLM's own);
 * ``ours``: our plugin (``KVOffloadConnector`` + ``KVOffloadSpec``, its defaults) and a live
   ``kvoffload serve`` process; every load's bytes are checked against the fake model's;
-  ``ours_prompt_only`` / ``ours_offload_all_tokens``: the same with ``offload_prompt_only`` set.
+  ``ours_prompt_only`` / ``ours_offload_all_tokens``: the same with ``offload_prompt_only`` set;
+* ``equal_policy``: vLLM's manager with our store policy (``REQUEST_LEVEL``, the out-of-tree
+  subclass of ``bench/vllm_peers.py``), same blocks: ours' served / its served tokens (goal
+  >= 1); ``deferral_steps``: requests' deferred lookups, ours vs vLLM's (goal <= vLLM's + 2).
 
 The turns run one at a time in workload order (``chat_turns``; 2,000 requests full, 300 with
 ``--quick``); each request's reply is sampled by the fake model (chat_drive.py). Simulated
@@ -80,6 +83,11 @@ def _engine(kind: str, slots: int, shape: Any, control: str | None,
     from kvoffload.bench.vllm_engine import plugin_engine, vllm_cpu_engine
 
     extra: dict[str, Any] = {} if prompt_only is None else {"offload_prompt_only": prompt_only}
+    if kind == "vllm_request":  # vLLM's own manager with our store policy (REQUEST_LEVEL)
+        from kvoffload.bench.vllm_peers import REQUEST_SPEC
+
+        extra.update(spec_name=REQUEST_SPEC, spec_module_path="kvoffload.bench.vllm_peers")
+        kind = "vllm"
     if kind == "vllm":
         chunk = -(-shape.page // VLLM_CHUNK_ALIGN) * VLLM_CHUNK_ALIGN
         return vllm_cpu_engine(slots * chunk, gpu_blocks=GPU_BLOCKS, shape=shape, **extra)
@@ -90,7 +98,7 @@ def _engine(kind: str, slots: int, shape: Any, control: str | None,
 def run_variants(turns: list[ChatTurn], slots: int, variants: Iterable[tuple[str, str,
                                                                            bool | None]],
                  say: Callable[[str], None] = lambda _m: None) -> dict[str, dict[str, Any]]:
-    """(name, "vllm" | "ours", offload_prompt_only or None for the default) per variant: each
+    """(name, "vllm" | "vllm_request" | "ours", offload_prompt_only or None) per variant: each
     its own engine, ours each on its own daemon with ``slots`` group blocks of host memory.
     The variants take turns request by request (scheduler times under the same load)."""
     shape = engine_shape()
@@ -101,13 +109,13 @@ def run_variants(turns: list[ChatTurn], slots: int, variants: Iterable[tuple[str
     with contextlib.ExitStack() as stack:
         for name, kind, prompt_only in variants:
             control = None
-            if kind != "vllm":
+            if kind == "ours":
                 _proc, ready = stack.enter_context(daemon_process(
                     "--lease-ms", "600000", pool_bytes=slots * shape.page, slot_bytes=0))
                 control = ready["control"]
             engine = _engine(kind, slots, shape, control, prompt_only)
             stack.callback(engine.shutdown)
-            drivers[name] = Driver(engine, verify=kind != "vllm", scale=scale, gpu_cache=False)
+            drivers[name] = Driver(engine, verify=kind == "ours", scale=scale, gpu_cache=False)
             settings[name] = prompt_only
         for i, turn in enumerate(turns):
             if i % 100 == 0:
@@ -120,6 +128,17 @@ def run_variants(turns: list[ChatTurn], slots: int, variants: Iterable[tuple[str
             if d.verify:  # ours: the plugin manager's own counters
                 out[name]["manager"] = dict(d.engine.connector.scheduler.manager.counters)
     return out
+
+
+def _equal_policy(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """Ours against vLLM's own manager under the same store policy (REQUEST_LEVEL, a subclass
+    of its CPUOffloadingSpec) and the same blocks: what is left is how each stores and evicts
+    (goal: ours serves at least as many tokens)."""
+    return {"vllm_request_level": theirs,
+            "recomputed_ratio": round(ours["recomputed_tokens"]
+                                      / max(1, theirs["recomputed_tokens"]), 4),
+            "served_ratio": round(ours["served_tokens"] / max(1, theirs["served_tokens"]), 4),
+            "goal": "served_ratio >= 1 (same policy, same memory)"}
 
 
 def _reason(out: dict[str, Any], ours: dict[str, Any], best: dict[str, Any]) -> str:
@@ -170,8 +189,14 @@ def run_hybrid_chat_bench(quick: bool = True, *, seed: int = 0, requests: int | 
     other_name = "ours_prompt_only" if other else "ours_offload_all_tokens"
     variants = run_variants(turns, slots, [
         ("vllm", "vllm", True), ("ours", "ours", None),
-        ("vllm_offload_all_tokens", "vllm", False), (other_name, "ours", other)], say)
+        ("vllm_offload_all_tokens", "vllm", False), (other_name, "ours", other),
+        ("vllm_request_level", "vllm_request", True)], say)
     variants["ours"]["offload_prompt_only"] = OFFLOAD_PROMPT_ONLY
+    out["equal_policy"] = _equal_policy(variants["ours"], variants.pop("vllm_request_level"))
+    out["deferral_steps"] = {
+        "ours": variants["ours"]["deferrals"], "vllm": variants["vllm"]["deferrals"],
+        "excess": variants["ours"]["deferrals"] - variants["vllm"]["deferrals"],
+        "target": "ours <= vLLM's + 2"}
     out["variants"] = variants
     unit = PRESETS[PRESET].tokens_per_hash
     out["floor_recomputed_tokens"] = _floor(turns, unit, with_replies=False)
