@@ -43,10 +43,14 @@ MUTANTS = [
            "ok = self._intact(self._pool, check[2], check[3])", "ok = True",
            (VLLM + "test_frozen_engines.py::test_a_load_whose_slot_went_to_another_writer"
             "_mid_copy_is_recomputed",)),
-    # "store pre-check removed" (worker.py: `keep = placed`) is not listed: since the store
-    # path's rework (commits riding later messages, demand-sized reservations) the frozen-
-    # before-the-lock test no longer reaches a re-granted slot, so it passes without the check.
-    # The check stays; a test that forces the re-grant is owed (issue note).
+    # Its test holds the worker between opening the lock file and taking the lock: the only
+    # window where the lock alone cannot keep it out of re-granted slots. (The frozen-before-
+    # the-lock test never reached it: once the daemon unlinks the revoked session's file the
+    # worker cannot open it, so that test passes with or without the check.)
+    Mutant("store pre-check removed", "connector/vllm/worker.py",
+           "keep = placed & view.intact_mask(items[:, 2], gens, key_bound=False)",
+           "keep = placed",
+           (VLLM + "test_store_precheck.py",)),
     Mutant("worker takes no writers' lock", "connector/writer_lock.py",
            "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)", "pass",
            (VLLM + "test_frozen_engines.py::test_a_frozen_writers_late_store_never_overwrites"
