@@ -140,3 +140,22 @@ def run_held(e: Any, entered: threading.Event) -> threading.Thread:
     runner.start()
     assert entered.wait(30), "the held job was never reached"
     return runner
+
+
+def flood(other: DaemonClient, pool: Any, tag: str, slot_bytes: int) -> dict[int, bytes]:
+    """Another writer stores every block it can get, with bytes of its own written into the
+    mapped ``pool``; returns slot -> the bytes it wrote."""
+    import hashlib
+
+    written: dict[int, bytes] = {}
+    for i in range(64):
+        key = make_key(hashlib.sha256(f"{tag}-{i}".encode()).digest(), 0)
+        grant = other.prepare_store([p.StoreItem(key=key, end_token=16)])
+        if grant.outcomes != [p.StoreOutcome.GRANTED]:
+            continue
+        slot = grant.slots[0]
+        data = hashlib.sha256(key).digest() * (slot_bytes // 32)
+        pool[slot * slot_bytes:(slot + 1) * slot_bytes] = data
+        other.commit_store([key])
+        written[slot] = data
+    return written

@@ -17,7 +17,6 @@ commits blocks with known bytes; then A goes on.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import pytest
 from tests.daemon_helpers import run_daemon
 from tests.plugin_common import (
     connect,
+    flood,
     hold_first,
     kv_matches,
     plugin_config,
@@ -58,25 +58,6 @@ def _freeze(e: Any) -> None:
     session._kick.set()
 
 
-def _flood(other: Any, pool: mmap.mmap, tag: str) -> dict[int, bytes]:
-    """Another writer stores every block it can get, with bytes of its own."""
-    from kvoffload.daemon.base import make_key
-    from kvoffload.daemon.control import protocol as p
-
-    written: dict[int, bytes] = {}
-    for i in range(64):
-        key = make_key(hashlib.sha256(f"{tag}-{i}".encode()).digest(), 0)
-        grant = other.prepare_store([p.StoreItem(key=key, end_token=16)])
-        if grant.outcomes != [p.StoreOutcome.GRANTED]:
-            continue
-        slot = grant.slots[0]
-        data = hashlib.sha256(key).digest() * (SLOT // 32)
-        pool[slot * SLOT:(slot + 1) * SLOT] = data
-        other.commit_store([key])
-        written[slot] = data
-    return written
-
-
 @pytest.mark.parametrize("where", ["copy", "submit"])
 def test_a_frozen_writers_late_store_never_overwrites_another_writers_block(
         tmp_path: Path, where: str) -> None:
@@ -91,7 +72,7 @@ def test_a_frozen_writers_late_store_never_overwrites_another_writers_block(
         # Its lease runs out: its grants are revoked (and quarantined while it holds the lock).
         assert wait_until(lambda: other.stats()["clients"] == 1)
         with open(d.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as pool:
-            written = _flood(other, pool, where)
+            written = flood(other, pool, where, SLOT)
             assert written
             release.set()  # A goes on
             runner.join(30)
@@ -124,7 +105,7 @@ def test_a_load_whose_slot_went_to_another_writer_mid_copy_is_recomputed(
         other = connect(d.control, a.connector.scheduler.manager.geometry)
         assert wait_until(lambda: other.stats()["clients"] == 1)  # its pins went with its lease
         with open(d.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as pool:
-            assert _flood(other, pool, "load")  # evicts its blocks and reuses their slots
+            assert flood(other, pool, "load", SLOT)  # evicts its blocks and reuses their slots
             release.set()
             runner.join(30)
             assert not runner.is_alive()

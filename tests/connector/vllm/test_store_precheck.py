@@ -13,7 +13,6 @@ the slots to another writer, which fills the pool with known bytes; then A goes 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import mmap
 import threading
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.daemon_helpers import run_daemon
-from tests.plugin_common import connect, plugin_config, wait_until
+from tests.plugin_common import connect, flood, plugin_config, wait_until
 from tests.vllm_harness import vllm_import_error
 
 pytestmark = [
@@ -49,25 +48,6 @@ class _FlockHeldOnce:
             self.entered.set()
             self.release.wait(30)
         fcntl.flock(fd, op)
-
-
-def _flood(other: Any, pool: mmap.mmap) -> dict[int, bytes]:
-    """Another writer stores every block it can get, with bytes of its own."""
-    from kvoffload.daemon.base import make_key
-    from kvoffload.daemon.control import protocol as p
-
-    written: dict[int, bytes] = {}
-    for i in range(64):
-        key = make_key(hashlib.sha256(f"precheck-{i}".encode()).digest(), 0)
-        grant = other.prepare_store([p.StoreItem(key=key, end_token=16)])
-        if grant.outcomes != [p.StoreOutcome.GRANTED]:
-            continue
-        slot = grant.slots[0]
-        data = hashlib.sha256(key).digest() * (SLOT // 32)
-        pool[slot * SLOT:(slot + 1) * SLOT] = data
-        other.commit_store([key])
-        written[slot] = data
-    return written
 
 
 def test_a_store_locked_after_its_grants_were_re_granted_writes_nothing(
@@ -102,7 +82,7 @@ def test_a_store_locked_after_its_grants_were_re_granted_writes_nothing(
         other = connect(d.control, a.connector.scheduler.manager.geometry)
         assert wait_until(lambda: other.stats()["clients"] == 1)  # A's session is gone
         with open(d.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as pool:
-            written = _flood(other, pool)
+            written = flood(other, pool, "precheck", SLOT)
             # The held job's slots went to the other writer: the check below means something.
             assert slots and set(slots) <= set(written), (slots, sorted(written))
             held.release.set()  # A takes its lock now, after the daemon's test
