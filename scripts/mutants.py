@@ -110,6 +110,9 @@ MUTANTS = [
            "        self._attaching.start()\n", "        self._attaching.start()\n"
            "        self._attaching.join()\n",
            (VLLM + "test_step_never_waits.py",)),
+    Mutant("a request waits on another engine's PENDING key without a bound",
+           "connector/vllm/manager.py", "        if self._now - first <= self._wait_s:",
+           "        if True:", (VLLM + "test_pending_wait.py",)),
     Mutant("sync loads allowed (used before their check)", "connector/vllm/settings.py",
            "    if budget:\n        raise SettingError(", "    if False:\n        raise SettingError(",
            (VLLM + "test_start_checks.py",)),

@@ -24,7 +24,10 @@ def plugin_config(control: str, **extra: Any) -> dict[str, Any]:
             "kvoffload_control": control, "kvoffload_timeout_ms": 2000,
             # Steps run back to back here (no model): wait for our own writes' replies, so
             # runs are deterministic on a loaded 2-core machine. Engines keep the default.
-            "kvoffload_sync_ms": 2000, **extra}
+            "kvoffload_sync_ms": 2000,
+            # Nor give up on another engine's store or a tier's find (test_pending_wait.py
+            # sets its own bound): a loaded host must not turn an expected load into a compute.
+            "kvoffload_pending_wait_ms": 60_000, **extra}
 
 
 def connect(control: str, geometry: Geometry) -> DaemonClient:

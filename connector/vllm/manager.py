@@ -25,6 +25,10 @@ own manager. No message is sent on the lookup path:
   (``own_stores.py``): PENDING, or HIT once committed and the daemon holds the claim (the
   daemon applies a Step's commits before its pins), however long the daemon takes; once it
   has answered a claim the view decides (a block another engine evicted is a MISS at once);
+* a key another engine is storing (PENDING in the index) or a tier is looking for (RETRY)
+  is waited for ``pending_wait_ms`` at most, counted from the first lookup that waited on it:
+  then it answers MISS and vLLM computes (a frozen writer's keys stay PENDING until its lease
+  ends, seconds; no request waits that long for bytes it can compute);
 * a key missing from the pool answers RETRY when the daemon has a disk or Mooncake tier, and
   the step's ``finds`` ask the tier; a promotion shows in the index as PENDING, then READY;
 * when the daemon is down, frozen or restarted, lookups answer MISS and nothing is stored
@@ -34,6 +38,7 @@ own manager. No message is sent on the lookup path:
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Collection
 from typing import Any
@@ -68,6 +73,7 @@ from vllm.v1.kv_offload.base import (
 log = logging.getLogger("kvoffload.connector.vllm")
 ATTACH_WAIT_S = 10.0  # longest wait for the first registration, at engine start only
 LAZY_STEPS = 4  # steps a commit, release or lookup report may wait for a message to ride
+PRUNE_STEPS = 64  # how often waits on keys that are no longer pending are forgotten
 
 HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                              LookupResult.RETRY)
@@ -113,6 +119,10 @@ class DaemonOffloadingManager(OffloadingManager):
         self._deferred: dict[str, int] = {}  # request -> keys its last store deferred
         self._ready: dict[bytes, tuple[int, int]] = {}
         self._not_worth: set[bytes] = set()
+        # key -> when a lookup first waited on it (another engine's PENDING key, a tier find)
+        self._waits: dict[bytes, float] = {}
+        self._wait_s = settings.pending_wait_ms / 1000
+        self._now = 0.0  # the step's start: one clock read a step, none per lookup
 
     # -- the step -----------------------------------------------------------------------
 
@@ -129,8 +139,11 @@ class DaemonOffloadingManager(OffloadingManager):
         """First call of a step: refresh the view, read replies. Sets ``_busy``."""
         self._busy = True
         self._waited = False
+        self._now = time.monotonic()
         replies = self.session.begin()
         view = self.session.view
+        if self._waits and self._step % PRUNE_STEPS == 0:
+            self._prune_waits()
         # The view's own containers, bound for this step (empty ones when offline).
         self._ready = view.ready if view is not None else {}
         self._not_worth = view.not_worth if view is not None else set()
@@ -170,8 +183,24 @@ class DaemonOffloadingManager(OffloadingManager):
             self._finding.discard(key)
             self._not_found[key] = self._step
 
+    def _may_wait(self, key: bytes) -> bool:
+        """Whether a lookup may still defer its request on ``key`` (PENDING or RETRY): for
+        ``pending_wait_ms`` since the first lookup that waited on it, then vLLM computes."""
+        first = self._waits.setdefault(key, self._now)
+        if self._now - first <= self._wait_s:
+            return True
+        self.counters["waits_given_up"] += 1
+        return False
+
+    def _prune_waits(self) -> None:
+        view = self.session.view
+        pending = view.pending if view is not None else ()
+        self._waits = {k: t for k, t in self._waits.items()
+                       if k in pending or k in self._finding}
+
     def _drop_daemon_state(self) -> None:
         """The daemon went away: nothing it granted is ours any more."""
+        self._waits.clear()
         self.reservation.clear()
         self.own.clear()
         self._finding.clear()
@@ -201,10 +230,15 @@ class DaemonOffloadingManager(OffloadingManager):
                 self._wait_claims()
             return HIT if self.own.hit(key) else PENDING
         if key in view.pending:
-            return PENDING
+            return PENDING if self._may_wait(key) else MISS
         if self._tiers:
             seen = self._not_found.get(key)
             if seen is None or self._step - seen > self.settings.find_ttl_steps:
+                if not self._may_wait(key):  # the tier is too slow for this request
+                    self._finding.discard(key)
+                    self._not_found[key] = self._step
+                    del self._waits[key]
+                    return MISS
                 if key not in self._finding:
                     self._finding.add(key)
                     self._batch.finds.append(key)

@@ -34,7 +34,7 @@ KNOWN_KEYS = frozenset({
     "kvoffload_find_ttl_steps", "kvoffload_offload_policy", "kvoffload_reset_daemon",
     "kvoffload_namespace", "kvoffload_prefill_tokens_per_s", "kvoffload_copy_bytes_per_s",
     "kvoffload_curve_client_key", "kvoffload_curve_server_public_key", "kvoffload_pool_path",
-    "kvoffload_copy_async",
+    "kvoffload_copy_async", "kvoffload_pending_wait_ms",
 })
 # Keys earlier versions read (the per-lookup round trips before the shared index): still in
 # operators' configs and older docs, so they are ignored with a warning rather than refused.
@@ -105,6 +105,9 @@ class ManagerSettings:
     reset_scope: str = "own"  # what a connector cache reset drops in the daemon
     reserve: int = 64  # empty slots kept at hand so prepare_store never waits
     find_ttl_steps: int = 64  # a key no tier holds is asked again after this many steps
+    # Longest a request is deferred on a key another engine is storing or a tier is finding:
+    # a few steps of a busy engine, well under the lease a frozen writer holds its keys for.
+    pending_wait_ms: int = 250
     time_model: tuple[float, float] | None = None
     io_sched_batch: bool = False  # the session's I/O thread in SCHED_BATCH (client.py: why)
 
@@ -150,10 +153,12 @@ def manager_settings(extra: Mapping[str, Any]) -> ManagerSettings:
         policy=policy, reset_scope=scope,
         reserve=_setting(extra, "kvoffload_store_reserve", 64, int),
         find_ttl_steps=_setting(extra, "kvoffload_find_ttl_steps", 64, int),
+        pending_wait_ms=_setting(extra, "kvoffload_pending_wait_ms", 250, int),
         time_model=_time_model(extra),
         io_sched_batch=_setting(extra, "kvoffload_io_sched_batch", False, bool))
     for key, value in (("kvoffload_retry_ms", settings.retry_ms),
-                       ("kvoffload_sync_ms", settings.sync_ms)):
+                       ("kvoffload_sync_ms", settings.sync_ms),
+                       ("kvoffload_pending_wait_ms", settings.pending_wait_ms)):
         if value < 0:
             raise ValueError(f"kv_connector_extra_config[{key!r}] must be >= 0")
     for key, value in (("kvoffload_timeout_ms", settings.timeout_ms),
