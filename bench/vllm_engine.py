@@ -126,7 +126,7 @@ class MiniEngine:
     def __init__(self, extra_config: Mapping[str, Any], *, num_blocks: int = 64,
                  real_worker: bool = True, connector: str = "OffloadingConnector",
                  connector_module: str | None = None, max_batched_tokens: int = 2048,
-                 shape: Shape = Shape()) -> None:
+                 shape: Shape = Shape(), log_stats: bool = False) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
             OffloadingConnector,
@@ -160,8 +160,12 @@ class MiniEngine:
         cfg = get_kv_cache_config_from_groups(vc, groups, num_blocks * len(groups) * sh.page)
         vc.cache_config.num_gpu_blocks = cfg.num_blocks
         self.num_blocks = cfg.num_blocks
+        self.vllm_config = vc
+        # log_stats: the scheduler's stats (connector metrics among them) ride each step's
+        # outputs, as in a served engine; ``scheduler_stats`` keeps the step's (None when off).
         self.scheduler = Scheduler(vc, cfg, StructuredOutputManager(vc), block_size=sh.block,
-                                   hash_block_size=sh.unit)
+                                   hash_block_size=sh.unit, log_stats=log_stats)
+        self.scheduler_stats: Any = None
         self.pages, views = kv_pages(cfg, sh.page)
         self.worker: Any = None
         if real_worker:
@@ -318,8 +322,10 @@ class MiniEngine:
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[sampled[r] for r in ids], kv_connector_output=kv_out)
         t0 = time.perf_counter()
-        self.scheduler.update_from_output(out, runner_out)
+        outputs = self.scheduler.update_from_output(out, runner_out)
         took += time.perf_counter() - t0
+        self.scheduler_stats = next((o.scheduler_stats for o in outputs.values()
+                                     if o.scheduler_stats is not None), None)
         self.last_step_seconds = took
         self.scheduler_seconds += took
         self.steps += 1

@@ -37,8 +37,10 @@ DASHBOARD = json.loads((ROOT / "dashboards/kvoffload.json").read_text())
 ALERTS = yaml.safe_load((ROOT / "dashboards/alerts.yaml").read_text())
 K8S = ROOT / "deploy/kubernetes"
 
-NAME_RE = re.compile(r"kvoffload_[a-z0-9_]+")
-SELECTOR_RE = re.compile(r"(kvoffload_[a-z0-9_]+)\{([^}]*)\}")
+# The daemon's names; vllm:kvoffload_* are vLLM engines' (tests/connector/vllm/
+# test_session_metrics.py checks those against vLLM's metrics path).
+NAME_RE = re.compile(r"(?<!vllm:)kvoffload_[a-z0-9_]+")
+SELECTOR_RE = re.compile(r"(?<!vllm:)(kvoffload_[a-z0-9_]+)\{([^}]*)\}")
 MATCHER_RE = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
 BY_RE = re.compile(r"by\s*\(([^)]*)\)\s*\(\s*(?:\w+\()?\s*(kvoffload_[a-z0-9_]+)")
 TARGET_LABELS = {"job", "instance"}  # added by Prometheus at scrape time, not by the daemon
@@ -271,7 +273,8 @@ def test_alerts_cover_the_failure_modes() -> None:
     assert any("kvoffload_pool_bytes" in e and "kvoffload_evictions_total" in e
                for e in rules.values())
     for metric in ("kvoffload_events_dropped_batches_total", "kvoffload_leases_expired_total",
-                   "kvoffload_protocol_errors_total"):
+                   "kvoffload_protocol_errors_total",
+                   "vllm:kvoffload_daemon_attached"):  # an engine serving without offload
         assert any(metric in e for e in rules.values()), metric
 
 

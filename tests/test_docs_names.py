@@ -52,7 +52,8 @@ def _known_names() -> tuple[set[str], tuple[str, ...]]:
     prefixes: set[str] = set()
     for path in SOURCE:
         text = path.read_text()
-        names.update(re.findall(r"[\"'](kvoffload_[a-z0-9_]+)[\"']", text))
+        # Our metrics on vLLM's /metrics carry vLLM's prefix (connector/vllm/session_metrics.py).
+        names.update(re.findall(r"[\"'](?:vllm:)?(kvoffload_[a-z0-9_]+)[\"']", text))
         prefixes.update(re.findall(r"f[\"'](kvoffload_[a-z0-9_]*_)\{", text))
     return names - _retired(), tuple(sorted(prefixes))
 

@@ -12,7 +12,10 @@ vLLM's public connector API:
   (``get_num_new_matched_tokens``) for the daemon's lookup events;
 * failed loads: a request whose blocks the worker could not prove intact is returned in
   ``failed_recving``, and vLLM recomputes it. vLLM 0.33 refuses block-level load errors on
-  hybrid models (several KV-cache groups), so failures are reported per request.
+  hybrid models (several KV-cache groups), so failures are reported per request;
+* whether the engine is attached to the daemon, and what it skipped while it was not, added to
+  the stock connector's scheduler-side stats (``get_kv_connector_stats``): vLLM's own path to
+  its API server's ``/metrics`` (``session_metrics.py``).
 
 vLLM's ``kv_load_failure_policy`` defaults to ``"fail"`` (an error for the user) and vLLM's
 Scheduler reads it right after this constructor returns (``Scheduler.__init__``:
@@ -30,6 +33,7 @@ import time
 from typing import Any
 
 from kvoffload.connector.vllm.handover import CURRENT, Handover
+from kvoffload.connector.vllm.session_metrics import SessionMetrics
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
@@ -47,6 +51,7 @@ class KVOffloadConnector(OffloadingConnector):
         finally:
             CURRENT.reset(token)
         self._handover = box
+        self._metrics = SessionMetrics()
         kvt = vllm_config.kv_transfer_config  # vLLM's base constructor checked it is set
         if kvt.kv_load_failure_policy != "recompute":
             if role == KVConnectorRole.SCHEDULER:  # the one reader; one line per engine
@@ -69,7 +74,19 @@ class KVOffloadConnector(OffloadingConnector):
             manager.report_lookup((request.request_id, request.num_tokens,
                                    request.num_prompt_tokens, num_computed_tokens, hit,
                                    time.perf_counter() - start))
+            if not manager.session.attached:  # the lookup had no index: it missed
+                self._metrics.lookups_offline += 1
         return hit, is_async
+
+    def get_kv_connector_stats(self) -> Any:
+        """The stock connector's stats plus ours (scheduler role: vLLM's Scheduler calls this
+        every step; the worker role has no manager and adds nothing)."""
+        stats = super().get_kv_connector_stats()
+        manager = self._handover.manager
+        ours = self._metrics.collect(manager) if manager is not None else None
+        if ours is None:
+            return stats
+        return ours if stats is None else stats.aggregate(ours)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         results = super().get_transfer_results(finished_req_ids)

@@ -46,7 +46,7 @@ from typing import Any
 from kvoffload.connector.session import IndexSession
 from kvoffload.connector.vllm.batch import StepBatch as _Batch
 from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
-from kvoffload.connector.vllm.own_stores import OwnStores
+from kvoffload.connector.vllm.own_stores import Action, OwnStores
 from kvoffload.connector.vllm.requests import (
     RequestInfo,
     lookup_report,
@@ -157,7 +157,7 @@ class DaemonOffloadingManager(OffloadingManager):
             self._tiers = reg.has_tiers
         for reply in replies:
             self._absorb(reply)
-        if view is not None and self.own.committed:
+        if view is not None and self.own.any_committed:
             self.own.settle(view)  # replies read before the refresh: the view decides
 
     def _wait_claims(self) -> None:
@@ -167,7 +167,7 @@ class DaemonOffloadingManager(OffloadingManager):
         self._waited = True
         for reply in self.session.poll():  # arrived already, unread
             self._absorb(reply)
-        if self.own.unapplied:
+        if self.own.unanswered:
             for reply in self.session.wait_replies(self.settings.sync_ms):
                 self._absorb(reply)
 
@@ -226,7 +226,7 @@ class DaemonOffloadingManager(OffloadingManager):
         if key in self.own:
             # Our own store, committed, its claim answered: the daemon holds it PENDING in our
             # slot and takes our commit before any pin of the same or a later Step.
-            if key in self.own.committed and not self._waited and not self.own.hit(key):
+            if not self._waited and self.own.done_early(key):
                 self._wait_claims()
             return HIT if self.own.hit(key) else PENDING
         if key in view.pending:
@@ -256,9 +256,10 @@ class DaemonOffloadingManager(OffloadingManager):
         slots, gens, refs = [], [], []
         for key in keys:
             ref = view.ready.get(key) if view is not None else None
-            if ref is None and key in self.own.committed:
-                own = self.own.slots[key]  # our own committed store (see lookup)
-                ref = (own[0], si.ident(own[1], key))
+            if ref is None:
+                own = self.own.loadable(key)  # our own committed store (see lookup)
+                if own is not None:
+                    ref = (own[0], si.ident(own[1], key))
             if ref is None:
                 # Only a HIT of this step is loaded; its view vanished (offline mid-step).
                 slots.append(-1)
@@ -288,7 +289,7 @@ class DaemonOffloadingManager(OffloadingManager):
         if view is None or self._pool is None:
             self.counters["stores_skipped_offline"] += len(keys)
             return _empty_store()  # not None: vLLM would re-offer (and log) every step
-        ready, pending, own = view.ready, view.pending, self.own.slots
+        ready, pending, own = view.ready, view.pending, self.own.held
         new = [k for k in keys if k not in ready and k not in pending and k not in own]
         if not new:
             return _empty_store()
@@ -342,12 +343,12 @@ class DaemonOffloadingManager(OffloadingManager):
             if done is None:
                 continue
             what, (slot, gen) = done
-            if what == "reuse":  # the daemon kept the slot reserved for us: reuse it
+            if what is Action.REUSE:  # the daemon kept the slot reserved for us: reuse it
                 self._reserved.append((slot, gen))
-            elif what == "commit":
+            elif what is Action.COMMIT:
                 batch.commits.append(p.SlotRef(key, slot, gen))
                 self.counters["stores_committed"] += 1
-            else:
+            elif what is Action.ABORT:
                 batch.aborts.append(p.SlotRef(key, slot, gen))
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -429,7 +430,7 @@ class DaemonOffloadingManager(OffloadingManager):
         # Workers may still read pinned slots and write claimed ones until on_reset_flushed.
         # Commits not sent yet are dropped with the rest: the reset goes out first.
         pins = [ref for refs in self._loads.values() for ref in refs]
-        grants = [p.SlotRef(k, *ref) for k, ref in self.own.slots.items()]
+        grants = [p.SlotRef(k, slot, gen) for k, slot, gen in self.own.grants()]
         self._after_reset = (pins, grants)
         self._loads.clear()
         self._batch.commits.clear()

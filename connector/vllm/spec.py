@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import vllm
 from kvoffload.connector.session import IndexSession
 from kvoffload.connector.vllm import handover
 from kvoffload.connector.vllm.geometry import build_geometry
 from kvoffload.connector.vllm.manager import DaemonOffloadingManager
+from kvoffload.connector.vllm.session_metrics import metric_definitions
 from kvoffload.connector.vllm.settings import (
     OFFLOAD_PROMPT_ONLY,
     _setting,
@@ -28,6 +30,7 @@ from kvoffload.daemon.control.security import CurveClientKeys
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
+    OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadingWorker,
 )
@@ -39,6 +42,13 @@ log = logging.getLogger("kvoffload.connector.vllm")
 class KVOffloadSpec(OffloadingSpec):
     """Loaded with ``spec_name="KVOffloadSpec"``, ``spec_module_path="kvoffload.connector.vllm"``
     (by ``KVOffloadConnector``, or by vLLM's stock ``OffloadingConnector``)."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]
+                                 ) -> dict[str, OffloadingMetricMetadata]:
+        """Our metrics on vLLM's ``/metrics`` (``session_metrics.py``): vLLM's API server
+        registers what this declares; ``KVOffloadConnector`` sends the values."""
+        return metric_definitions()
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)

@@ -6,9 +6,16 @@ Split from ``service.py`` (which re-exports these names).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvoffload.daemon.base import Geometry, GroupKind
+from kvoffload.daemon.control import protocol as p
+from kvoffload.daemon.control.errors import RequestError
 from kvoffload.daemon.control.errors import bad_request as _bad
 from kvoffload.daemon.lookup import plan as lk
+
+if TYPE_CHECKING:
+    from kvoffload.daemon.store.index import BlockIndex
 
 # Namespaces are never forgotten while the daemon runs: bound what clients can make it keep.
 MAX_NAMESPACES = 4096
@@ -44,3 +51,23 @@ def validate_geometry(g: Geometry, rank: int) -> None:
         lk.plan_for(g)  # the lookup's own consistency rules (e.g. Mamba chunk sizes agree)
     except ValueError as exc:
         raise _bad(str(exc)) from None
+
+
+def size_pool(index: BlockIndex, g: Geometry, slot_bytes: int) -> None:
+    """The first Register of a pool without ``--slot-bytes``: this engine's block sizes the
+    slots (``slot_bytes`` when set), and the shared index is published."""
+    pool = index.pool
+    want = g.slot_bytes()
+    low = -(-pool.pool_bytes // MAX_SLOTS)
+    if not low <= want <= pool.pool_bytes // MIN_SLOTS:
+        raise RequestError(
+            p.ErrorCode.GEOMETRY_MISMATCH,
+            f"this engine's block ({want} bytes) would size the pool's slots, and a "
+            f"slot must be {low}..{pool.pool_bytes // MIN_SLOTS} bytes for a pool of "
+            f"{pool.pool_bytes} bytes ({MIN_SLOTS}..{MAX_SLOTS} slots); set "
+            "--slot-bytes (or pool_bytes) for the engines of this node")
+    try:
+        index.configure(slot_bytes or want)
+    except OSError as exc:  # PrivateFileError too: a planted or foreign index file
+        raise RequestError(p.ErrorCode.INTERNAL, f"cannot publish the shared index: "
+                           f"{exc}") from None

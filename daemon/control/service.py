@@ -9,6 +9,7 @@ answered with ``RequestError`` (a typed ``Error`` reply) before any state is cha
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,6 +27,7 @@ from kvoffload.daemon.control.registration import (  # noqa: F401 - re-exported:
     MAX_NAMESPACES,
     MAX_SLOTS,
     MIN_SLOTS,
+    size_pool,
     validate_geometry,
 )
 from kvoffload.daemon.control.steps import MAX_ITEM_TOKENS, StepHandler
@@ -142,6 +144,15 @@ class Service(ServiceUpkeep):
                          max_keys_per_request=self.config.max_keys_per_request)
 
     def register(self, client: ClientState, msg: p.Register) -> p.Registered:
+        """Answer a Register, timed refusals included: the first one sizes the pool's slots
+        and publishes the shared index, the wait an engine's attach must outlast."""
+        started = time.perf_counter()
+        try:
+            return self._register(client, msg)
+        finally:
+            self.metrics.register_seconds.observe(time.perf_counter() - started)
+
+    def _register(self, client: ClientState, msg: p.Register) -> p.Registered:
         g = msg.geometry
         validate_geometry(g, msg.rank)
         rates = (msg.prefill_tokens_per_s, msg.copy_bytes_per_s)
@@ -151,20 +162,7 @@ class Service(ServiceUpkeep):
             raise _bad("data_parallel_rank must be 0..65535")
         pool = self.index.pool
         if not pool.configured:
-            want = g.slot_bytes()
-            low = -(-pool.pool_bytes // MAX_SLOTS)
-            if not low <= want <= pool.pool_bytes // MIN_SLOTS:
-                raise RequestError(
-                    p.ErrorCode.GEOMETRY_MISMATCH,
-                    f"this engine's block ({want} bytes) would size the pool's slots, and a "
-                    f"slot must be {low}..{pool.pool_bytes // MIN_SLOTS} bytes for a pool of "
-                    f"{pool.pool_bytes} bytes ({MIN_SLOTS}..{MAX_SLOTS} slots); set "
-                    "--slot-bytes (or pool_bytes) for the engines of this node")
-            try:
-                self.index.configure(self.config.slot_bytes or want)
-            except OSError as exc:  # PrivateFileError too: a planted or foreign index file
-                raise RequestError(p.ErrorCode.INTERNAL, f"cannot publish the shared index: "
-                                   f"{exc}") from None
+            size_pool(self.index, g, self.config.slot_bytes)
         if g.slot_bytes() > pool.slot_bytes:
             raise RequestError(p.ErrorCode.GEOMETRY_MISMATCH,
                                f"one block of this engine needs {g.slot_bytes()} bytes; pool "

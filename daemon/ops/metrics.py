@@ -16,6 +16,11 @@ _LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 
 # Event-loop lag: how late a timer fires. 10 ms is the stall bar, 100 ms the /healthz bar.
 _LAG_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5,
                 10.0)
+# A Register: ~0.1 ms once the pool is sized; the first one sizes the slots and publishes the
+# shared index (a table the size of the pool), so the range runs to the engine's 30 s bound
+# (connector/session.py REGISTER_MS).
+_REGISTER_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                     30.0)
 # Why the transport refused a request before any handler saw it (server.py, http.py).
 REFUSAL_REASONS = ("frame_too_large", "nesting", "parked_lookups", "query_hashes",
                    "http_connections", "http_timeout", "http_bad_request")
@@ -43,6 +48,9 @@ class DaemonMetrics:
         self.lookup_seconds = Histogram("kvoffload_lookup_duration_seconds",
                                         "Daemon-side time of one batched lookup message.",
                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.register_seconds = Histogram("kvoffload_register_duration_seconds",
+                                          "Daemon-side time to answer one Register (refusals "
+                                          "included).", buckets=_REGISTER_BUCKETS, registry=r)
         self.futures_waiting = Gauge("kvoffload_futures_waiting",
                                      "Lookups parked on a pending key's future.", registry=r)
         self.stores = Counter("kvoffload_stores_total",
