@@ -210,8 +210,12 @@ class LookupReport(msgspec.Struct, frozen=True, kw_only=True):
 class Step(_Msg, tag="step"):
     """Everything one scheduler step of an index reader writes, sent once, without waiting.
 
-    Handled in field order; ``epoch`` (the shared-index position the step's decisions were read
-    from) is recorded last, after the pins it protects.
+    Not handled in field order (``daemon/control/steps.py``): the daemon applies ``commits``,
+    then ``aborts``, before the ``pins`` (a pin of the same or a later Step may name a store
+    the engine committed here), then ``releases``, ``claims`` and ``unreserve``; then it
+    records ``epoch`` (the shared-index position the step's decisions were read from), after
+    the pins it protects, and reclaims what no reader can see any more; then ``reserve``,
+    ``finds`` and ``lookups``. The reply goes out once all of it is applied.
     """
 
     engine: int
