@@ -25,12 +25,10 @@ own manager. No message is sent on the lookup path:
   (``own_stores.py``): PENDING, or HIT once committed and the daemon holds the claim (the
   daemon applies a Step's commits before its pins), however long the daemon takes; once it
   has answered a claim the view decides (a block another engine evicted is a MISS at once);
-* a key another engine is storing (PENDING in the index) or a tier is looking for (RETRY)
-  is waited for ``pending_wait_ms`` at most, counted from the first lookup that waited on it:
-  then it answers MISS and vLLM computes (a frozen writer's keys stay PENDING until its lease
-  ends, seconds; no request waits that long for bytes it can compute);
 * a key missing from the pool answers RETRY when the daemon has a disk or Mooncake tier, and
   the step's ``finds`` ask the tier; a promotion shows in the index as PENDING, then READY;
+  another engine's PENDING key, or a tier's RETRY, defers a request ``pending_wait_ms`` at
+  most, then answers MISS and vLLM computes (``waits.py``);
 * when the daemon is down, frozen or restarted, lookups answer MISS and nothing is stored
   (``IndexSession`` decides, without a message), and the session re-attaches by itself.
 """
@@ -38,7 +36,6 @@ own manager. No message is sent on the lookup path:
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Collection
 from typing import Any
@@ -55,6 +52,7 @@ from kvoffload.connector.vllm.requests import (
 )
 from kvoffload.connector.vllm.reservation import Reservation
 from kvoffload.connector.vllm.settings import ManagerSettings
+from kvoffload.connector.vllm.waits import Finds, Waits
 from kvoffload.daemon.base import Geometry, GroupKind, key_group
 from kvoffload.daemon.control import protocol as p
 from kvoffload.daemon.store import shared_index as si
@@ -73,7 +71,6 @@ from vllm.v1.kv_offload.base import (
 log = logging.getLogger("kvoffload.connector.vllm")
 ATTACH_WAIT_S = 10.0  # longest wait for the first registration, at engine start only
 LAZY_STEPS = 4  # steps a commit, release or lookup report may wait for a message to ride
-PRUNE_STEPS = 64  # how often waits on keys that are no longer pending are forgotten
 
 HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                              LookupResult.RETRY)
@@ -87,9 +84,7 @@ def _empty_store() -> PrepareStoreOutput:
 class DaemonOffloadingManager(OffloadingManager):
     def __init__(self, session: IndexSession, geometry: Geometry,
                  settings: ManagerSettings) -> None:
-        self.session = session
-        self.geometry = geometry
-        self.settings = settings
+        self.session, self.geometry, self.settings = session, geometry, settings
         session.on_lost = self._drop_daemon_state
         session.reserve = settings.reserve  # the attach thread's first reservation
         self._block = {geometry.group_id(i): g.tokens_per_block * geometry.blocks_per_chunk
@@ -100,16 +95,14 @@ class DaemonOffloadingManager(OffloadingManager):
                      if g.kind is GroupKind.MAMBA and g.mamba_align}
         self.requests: dict[str, RequestInfo] = {}  # handed over by KVOffloadConnector
         self.counters: Counter[str] = Counter()
-        self._step = 0
-        self._busy = False
-        self._tiers = False
+        self._step, self._busy, self._tiers = 0, False, False
         self._pool: PoolInfo | None = None
         self.reservation = Reservation(settings.reserve)
         self._reserved = self.reservation.slots  # the same list (tests read its length)
         self.own = OwnStores(self.counters)  # our stores until the view shows them READY
         self._loads: dict[str, list[p.SlotRef]] = {}  # req -> pins of its load in flight
-        self._finding: set[bytes] = set()
-        self._not_found: dict[bytes, int] = {}  # key -> step it was not found
+        self._finds = Finds(settings.find_ttl_steps)  # keys asked of the daemon's tiers
+        self._waits = Waits(settings.pending_wait_ms, self.counters)  # waits.py: why
         self._after_reset: tuple[list[p.SlotRef], list[p.SlotRef]] | None = None
         self._batch = _Batch()
         self._held = -1  # the step since which the batch holds items that could wait
@@ -117,12 +110,8 @@ class DaemonOffloadingManager(OffloadingManager):
         self._flush = False  # vLLM has no request left: send what waits at the next step
         self._live: set[str] = set()  # requests vLLM has not finished
         self._deferred: dict[str, int] = {}  # request -> keys its last store deferred
-        self._ready: dict[bytes, tuple[int, int]] = {}
+        self._ready: dict[bytes, tuple[int, int]] = {}  # the view's, bound each step
         self._not_worth: set[bytes] = set()
-        # key -> when a lookup first waited on it (another engine's PENDING key, a tier find)
-        self._waits: dict[bytes, float] = {}
-        self._wait_s = settings.pending_wait_ms / 1000
-        self._now = 0.0  # the step's start: one clock read a step, none per lookup
 
     # -- the step -----------------------------------------------------------------------
 
@@ -139,11 +128,10 @@ class DaemonOffloadingManager(OffloadingManager):
         """First call of a step: refresh the view, read replies. Sets ``_busy``."""
         self._busy = True
         self._waited = False
-        self._now = time.monotonic()
         replies = self.session.begin()
         view = self.session.view
-        if self._waits and self._step % PRUNE_STEPS == 0:
-            self._prune_waits()
+        self._waits.start_step(self._step, view.pending if view is not None else (),
+                               self._finds.asking)
         # The view's own containers, bound for this step (empty ones when offline).
         self._ready = view.ready if view is not None else {}
         self._not_worth = view.not_worth if view is not None else set()
@@ -178,33 +166,14 @@ class DaemonOffloadingManager(OffloadingManager):
             self.counters["pins_lost"] += len(r.lost)
             log.warning("kvoffload: %d loads lost their slot before the daemon pinned them; "
                         "the workers report them as failed", len(r.lost))
-        self._finding.difference_update(r.found)
-        for key in r.not_found:
-            self._finding.discard(key)
-            self._not_found[key] = self._step
-
-    def _may_wait(self, key: bytes) -> bool:
-        """Whether a lookup may still defer its request on ``key`` (PENDING or RETRY): for
-        ``pending_wait_ms`` since the first lookup that waited on it, then vLLM computes."""
-        first = self._waits.setdefault(key, self._now)
-        if self._now - first <= self._wait_s:
-            return True
-        self.counters["waits_given_up"] += 1
-        return False
-
-    def _prune_waits(self) -> None:
-        view = self.session.view
-        pending = view.pending if view is not None else ()
-        self._waits = {k: t for k, t in self._waits.items()
-                       if k in pending or k in self._finding}
+        self._finds.answered(r.found, r.not_found, self._step)
 
     def _drop_daemon_state(self) -> None:
         """The daemon went away: nothing it granted is ours any more."""
         self._waits.clear()
         self.reservation.clear()
         self.own.clear()
-        self._finding.clear()
-        self._not_found.clear()
+        self._finds.clear()
         self._loads.clear()
         self._batch = _Batch()
 
@@ -230,19 +199,15 @@ class DaemonOffloadingManager(OffloadingManager):
                 self._wait_claims()
             return HIT if self.own.hit(key) else PENDING
         if key in view.pending:
-            return PENDING if self._may_wait(key) else MISS
-        if self._tiers:
-            seen = self._not_found.get(key)
-            if seen is None or self._step - seen > self.settings.find_ttl_steps:
-                if not self._may_wait(key):  # the tier is too slow for this request
-                    self._finding.discard(key)
-                    self._not_found[key] = self._step
-                    del self._waits[key]
-                    return MISS
-                if key not in self._finding:
-                    self._finding.add(key)
-                    self._batch.finds.append(key)
-                return RETRY  # the scan goes on; asked again next step
+            return PENDING if self._waits.may_wait(key) else MISS
+        if self._tiers and self._finds.worth_asking(key, self._step):
+            if not self._waits.may_wait(key):  # the tier is too slow for this request
+                self._finds.give_up(key, self._step)
+                self._waits.forget(key)
+                return MISS
+            if self._finds.ask(key):
+                self._batch.finds.append(key)
+            return RETRY  # the scan goes on; asked again next step
         return MISS
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
