@@ -111,7 +111,7 @@ MUTANTS = [
            "        self._attaching.join()\n",
            (VLLM + "test_step_never_waits.py",)),
     Mutant("a request waits on another engine's PENDING key without a bound",
-           "connector/vllm/manager.py", "        if self._now - first <= self._wait_s:",
+           "connector/vllm/waits.py", "        if self._now - first <= self.wait_s:",
            "        if True:", (VLLM + "test_pending_wait.py",)),
     Mutant("own stores forgotten once committed (vLLM recomputes them)",
            "connector/vllm/own_stores.py", "    (S.WRITING, E.STORED): (S.COMMITTED, A.COMMIT),",
