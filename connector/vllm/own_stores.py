@@ -44,11 +44,11 @@ DUPLICATE   STORED      -                                          back to the r
 DUPLICATE   FAILED      -                                          back to the reservation
 ==========  ==========  =========================================  ===========================
 
-``SETTLED`` happens at a step's start, after the view's refresh: once the daemon answered a
-claim, every reply absorbed so far was read before that refresh, so the view is the truth --
-READY (the view answers), still PENDING in our slot (the commit is on its way: stays), or gone
-(another engine's store evicted it, a reset dropped it: forgotten at once, so vLLM's next
-offer stores it again). A claim the daemon has not answered keeps its own answer however long
+``SETTLED`` happens at a step's start, after a refresh that caught up with the head it read:
+once the daemon answered a claim, every reply absorbed so far was read before that refresh,
+so the view is the truth -- READY (the view answers), still PENDING in our slot (the commit
+is on its way: stays), or gone (another engine's store evicted it, a reset dropped it:
+forgotten at once, so vLLM's next offer stores it again). A claim the daemon has not answered keeps its own answer however long
 the daemon takes (within the session's liveness window; past it the session drops everything
 the daemon granted: ``clear``). The rest of a key's engine-side life is in docs/architecture.md
 ("A key's life in the engine").
@@ -113,6 +113,9 @@ _UNANSWERED = (S.CLAIMED, S.DONE_EARLY)  # the daemon has not answered these cla
 
 class _View(Protocol):
     ready: dict[bytes, tuple[int, int]]
+
+    @property
+    def caught_up(self) -> bool: ...
 
     def slot_of(self, key: bytes) -> int | None: ...
 
@@ -211,7 +214,11 @@ class OwnStores:
 
     def settle(self, view: _View) -> None:
         """At a step's start, after the view's refresh: the COMMITTED keys the view now
-        answers for (READY, or gone from our slot)."""
+        answers for (READY, or gone from our slot). Not while the view lags the head it read
+        (a burst spread over steps, ``index_view.REFRESH_BUDGET_S``): the claims answered so
+        far may be in the part not applied yet, and would read as gone."""
+        if not view.caught_up:
+            return
         keys = self._keys
         for key in [k for k in self._committed
                     if k in view.ready or view.slot_of(k) != keys[k].slot]:

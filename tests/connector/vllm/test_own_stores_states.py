@@ -100,6 +100,8 @@ def test_a_refused_commit_forgets_only_committed_keys() -> None:
 
 def test_settle_leaves_a_key_still_pending_in_our_slot() -> None:
     class View:
+        caught_up = True
+
         def __init__(self, ready: dict[bytes, tuple[int, int]], slot: int | None) -> None:
             self.ready, self._slot = ready, slot
 
