@@ -11,7 +11,8 @@ class StepBatch:
     """What the next ``Step`` carries. ``lookups`` holds ``LookupReport``s or the arguments
     of one (``KVOffloadConnector``'s, built into a report when the message is built)."""
 
-    __slots__ = ("pins", "releases", "claims", "commits", "aborts", "finds", "lookups")
+    __slots__ = ("pins", "releases", "claims", "commits", "aborts", "finds", "lookups",
+                 "touches")
 
     def __init__(self) -> None:
         self.pins: list[p.SlotRef] = []
@@ -21,10 +22,11 @@ class StepBatch:
         self.aborts: list[p.SlotRef] = []
         self.finds: list[bytes] = []
         self.lookups: list[Any] = []
+        self.touches: list[bytes] = []  # READY keys offered again: reused, most recent now
 
     def __bool__(self) -> bool:
         return bool(self.pins or self.releases or self.claims or self.commits or self.aborts
-                    or self.finds or self.lookups)
+                    or self.finds or self.lookups or self.touches)
 
     def urgent(self) -> bool:
         """Pins (ahead of the epoch that could free their slots), claims (our own commits

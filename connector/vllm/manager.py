@@ -211,7 +211,7 @@ class DaemonOffloadingManager(OffloadingManager):
         return MISS
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        return  # loads make blocks most recently used in the daemon; no message for this
+        return  # vLLM 0.33 never calls it; loads and reuse offers (``touches``) say recency
 
     # -- loads --------------------------------------------------------------------------
 
@@ -256,6 +256,8 @@ class DaemonOffloadingManager(OffloadingManager):
             return _empty_store()  # not None: vLLM would re-offer (and log) every step
         ready, pending, own = view.ready, view.pending, self.own.held
         new = [k for k in keys if k not in ready and k not in pending and k not in own]
+        if len(new) < len(keys):  # reused blocks: their recency, as vLLM's manager keeps it
+            self._batch.touches += [k for k in keys if k in ready]
         if not new:
             return _empty_store()
         res = self.reservation
@@ -372,7 +374,7 @@ class DaemonOffloadingManager(OffloadingManager):
             return p.Step(rid=rid, engine=engine, epoch=epoch, pins=batch.pins,
                           releases=batch.releases, claims=batch.claims, commits=batch.commits,
                           aborts=batch.aborts, unreserve=unreserve, reserve=want,
-                          finds=batch.finds, lookups=lookups)
+                          finds=batch.finds, lookups=lookups, touches=batch.touches)
 
         # sync: the next step's first read waits (sync_ms at most) for a refill it may need (a
         # deferred store, fewer slots left than a step's demand); claims are waited for only

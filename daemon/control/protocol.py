@@ -215,7 +215,7 @@ class Step(_Msg, tag="step"):
     the engine committed here), then ``releases``, ``claims`` and ``unreserve``; then it
     records ``epoch`` (the shared-index position the step's decisions were read from), after
     the pins it protects, and reclaims what no reader can see any more; then ``reserve``,
-    ``finds`` and ``lookups``. The reply goes out once all of it is applied.
+    ``finds``, ``lookups`` and ``touches``. The reply goes out once all of it is applied.
     """
 
     engine: int
@@ -229,6 +229,9 @@ class Step(_Msg, tag="step"):
     reserve: int = 0  # ask for this many more reserved slots
     finds: list[bytes] = []  # keys missing from the pool: look in the lower tiers
     lookups: list[LookupReport] = []
+    # READY keys vLLM offered to store again (a request reused them, from its GPU prefix
+    # cache or a load): most recently used now, as vLLM's own manager records such reuse.
+    touches: list[bytes] = []
 
 
 Request = (

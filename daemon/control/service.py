@@ -384,7 +384,8 @@ class Service(ServiceUpkeep):
         # Every key it names, checked before anything changes (a bad one refuses the step).
         self._check_keys(ns, [r.key for refs in (msg.pins, msg.releases, msg.commits,
                                                  msg.aborts) for r in refs]
-                         + [c.item.key for c in msg.claims] + list(msg.finds))
+                         + [c.item.key for c in msg.claims] + list(msg.finds)
+                         + list(msg.touches))
         if self.draining:
             # Its releases, commits, aborts and unreserves still apply (the drain waits for
             # pins to go); nothing new is pinned, claimed, reserved or fetched.

@@ -19,8 +19,9 @@ step and never waits for its reply (it reads it at a later step). Handled in thi
    rate, fits; see ``reservation_cap``) and the promotions of ``finds``.
 6. ``finds``: keys the pool misses are looked up in the lower tiers; a hit starts a promotion
    (the key reads PENDING in the index, then READY: nobody polls).
-7. ``lookups``: per-request outcomes, published as lookup events; then the pool's free slots
-   are topped up ahead of the next stores (``keep_free``).
+7. ``lookups``: per-request outcomes, published as lookup events; ``touches``: READY blocks a
+   request reused (offered to store again), most recently used now; then the pool's free
+   slots are topped up ahead of the next stores (``keep_free``).
 """
 
 from __future__ import annotations
@@ -138,6 +139,10 @@ class StepHandler:
             self.events.lookup(ns, query, answer, None if r.latency_us is None
                                else r.latency_us / 1e6)
             self.totals["lookups_reported"] += 1
+        for key in msg.touches:
+            slot = ns.keys.get(key)
+            if slot is not None:
+                idx.touch(slot)  # READY only (index.touch): a pending or retired one is not
         ahead = idx.keep_free()
         if ahead:
             m.evictions.labels(idx.policy.name, "capacity").inc(ahead)

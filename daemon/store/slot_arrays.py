@@ -12,6 +12,8 @@ from array import array
 from kvoffload.daemon.store import shared_index as si
 from kvoffload.daemon.store.slot_states import _SHARED_STATE, Namespace, SlotState
 
+MIN_FREE = 2  # slots kept free for clients without a reservation and promotions
+
 
 class SlotTable:
     # Set by BlockIndex.__init__ (declared here for the methods below).
@@ -30,7 +32,8 @@ class SlotTable:
         self.owner = array("H", bytes(2 * n))  # who stored the block (reset of one engine's)
         self.reserved_by: dict[int, object] = {}  # RESERVED slot -> holder (a client)
         self.max_retired = max(64, n // 8)
-        self.free_target = max(2, min(256, n // 16))  # slots kept free (or retiring) ahead
+        # Slots kept empty ahead of stores: free, retiring or in engines' reservations.
+        self.free_target = max(MIN_FREE, min(256, n // 16))
         # Kept on every transition so gauges and stats cost O(1), not a scan of the pool.
         self.n_ready = self.n_pending = self.n_pinned = 0
 

@@ -259,6 +259,8 @@ def test_stores_use_the_reservation_and_skip_stored_keys(daemon: DaemonHandle) -
     assert _sent(manager)[0] == before[0] + 2  # one Step per step: no message of their own
     end_step(conn)
     assert _offered(manager.prepare_store([k0, k1], ctx)).keys_to_store == []  # not offered
+    # ... but reused: the daemon hears of it (recency, as vLLM's own manager records reuse).
+    assert manager._batch.touches == [k0, k1]
     manager.shutdown()
 
 

@@ -1,0 +1,63 @@
+"""The ``Step`` handler (daemon/control/steps.py), through a daemon process: a READY block the
+engine names in ``touches`` (vLLM offered it to store again: a request reused it) is most
+recently used, so the pool's next eviction takes another block."""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvoffload.connector.client import DaemonClient
+from kvoffload.daemon.base import Geometry, GroupKind, GroupSpec, KeyStatus, make_key
+from kvoffload.daemon.control import protocol as p
+
+from tests.daemon_helpers import run_daemon
+
+GEOMETRY = Geometry(namespace="steps", groups=(
+    GroupSpec(kind=GroupKind.FULL_ATTENTION, tokens_per_block=16, bytes_per_block=1024),),
+    tokens_per_hash=16)
+SLOTS = 16
+
+
+def _keys(tag: str, n: int) -> list[bytes]:
+    return [make_key(hashlib.sha256(f"{tag}{i}".encode()).digest(), 0) for i in range(n)]
+
+
+def _store(c: DaemonClient, keys: list[bytes]) -> None:
+    for key in keys:  # one at a time: each is the most recent when committed
+        grant = c.prepare_store([p.StoreItem(key=key, end_token=16)])
+        assert grant.outcomes == [p.StoreOutcome.GRANTED], grant
+        c.commit_store([key])
+
+
+def _survivors(touch: bool, tmp_path) -> list[bool]:
+    with run_daemon(tmp_path, pool_bytes=SLOTS * 1024, slot_bytes=1024) as d:
+        c = DaemonClient(d.control, timeout_ms=5000)
+        engine = c.register(GEOMETRY).engine
+        old = _keys("old", 4)
+        _store(c, old)
+        _store(c, _keys("mid", 8))
+        if touch:  # the oldest two were reused by a request: the engine says so
+            reply = c.call(p.Step(rid=c.rid(), engine=engine, epoch=0, touches=old[:2]))
+            assert isinstance(reply, p.StepReply), reply
+        _store(c, _keys("new", 8))  # more than the pool holds: the least recent go
+        status = c.probe(old)
+        c.close()
+        return [s is KeyStatus.HIT for s in status]
+
+
+def test_touched_blocks_outlive_untouched_older_ones(tmp_path) -> None:
+    assert _survivors(False, tmp_path / "a") == [False] * 4  # LRU: the oldest go first
+    kept = _survivors(True, tmp_path / "b")
+    assert kept[:2] == [True, True] and kept[2:] == [False, False]
+
+
+def test_a_touch_of_a_bad_key_refuses_the_step(tmp_path) -> None:
+    with run_daemon(tmp_path, pool_bytes=SLOTS * 1024, slot_bytes=1024) as d:
+        c = DaemonClient(d.control, timeout_ms=5000)
+        engine = c.register(GEOMETRY).engine
+        bad = c.call(p.Step(rid=c.rid(), engine=engine, epoch=0, touches=[b"x"]))
+        assert isinstance(bad, p.Error) and bad.code == p.ErrorCode.BAD_REQUEST
+        # An unknown (well-formed) key is no error: the block may have gone meanwhile.
+        ok = c.call(p.Step(rid=c.rid(), engine=engine, epoch=0, touches=_keys("gone", 1)))
+        assert isinstance(ok, p.StepReply)
+        c.close()
