@@ -4,9 +4,7 @@ are not settled against a view that lags."""
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,18 +12,13 @@ from kvoffload.connector import index_view
 from kvoffload.connector.index_view import IndexView
 from kvoffload.connector.vllm.own_stores import OwnStores
 from kvoffload.daemon.store import shared_index as si
-from kvoffload.daemon.store.session_file import session_glob
 
 CHUNK = index_view.REFRESH_CHUNK
 
 
 @pytest.fixture
-def path() -> Iterator[Path]:
-    p = Path(f"/dev/shm/kvoffload-test-view-{uuid.uuid4().hex[:10]}")
-    yield p
-    p.unlink(missing_ok=True)
-    for q in p.parent.glob(session_glob(p)):
-        q.unlink(missing_ok=True)
+def path(index_path: Path) -> Path:
+    return index_path
 
 
 def _key(i: int) -> bytes:

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from kvoffload.connector.index_view import IndexGone, IndexView, SlotGenerations
 from kvoffload.connector.reader_record import ReaderRecord
 from kvoffload.daemon.store import shared_index as si
-from kvoffload.daemon.store.session_file import SessionFile, session_glob
+from kvoffload.daemon.store.session_file import SessionFile
 
 
 def _id(gen: int, i: int) -> int:
@@ -19,12 +17,8 @@ def _id(gen: int, i: int) -> int:
 
 
 @pytest.fixture
-def path() -> Iterator[Path]:
-    p = Path(f"/dev/shm/kvoffload-test-idx-{uuid.uuid4().hex[:10]}")
-    yield p
-    p.unlink(missing_ok=True)
-    for q in p.parent.glob(session_glob(p)):
-        q.unlink(missing_ok=True)
+def path(index_path: Path) -> Path:
+    return index_path
 
 
 def _key(i: int, group: int = 0) -> bytes:
