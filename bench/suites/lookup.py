@@ -195,6 +195,11 @@ def plugin_lookup(tokens: list[int], resident: int, seed: int
         raise
     sched = conn.connector_scheduler
     session = manager.session
+    # Steady state: the view applies a burst over several steps (index_view.REFRESH_BUDGET_S,
+    # its cost is index_costs'); the lookups timed here are those of a view that caught up.
+    view = session.view
+    while view is not None and (view.refresh() or not view.caught_up):
+        pass
     req = make_request(tokens, "bench-lookup", geometry.tokens_per_hash)
     conn.on_new_request(req)
     hit, _ = conn.get_num_new_matched_tokens(req, 0)
