@@ -104,17 +104,19 @@ def gpu_match_blocks(engine: Any, request: Any) -> int:
 
 def offload_match_blocks(engine: Any, request: Any) -> int:
     """Blocks of ``request``'s prefix in the engine's own offload manager (attention group
-    keys, stopping at the first miss): what its CPU-medium KV events would tell a router."""
+    keys, stopping at the first miss; a tiering manager's CPU primary tier): what its
+    CPU-medium KV events would tell a router."""
+    from kvoffload.bench.residency import cpu_policy
     from vllm.v1.kv_offload.base import make_offload_key
 
-    manager = engine.connector.connector_scheduler.manager
+    policy = cpu_policy(engine.connector.connector_scheduler.manager)
     per_block = engine.shape.block // engine.shape.unit
     hashes = request.block_hashes[per_block - 1::per_block]
     n = 0
     for h in hashes[:(request.num_tokens - 1) // engine.shape.block]:
         # The manager's own index (``lookup`` wants a request context; this reads the same
         # table without touching recency).
-        if manager._policy.get(make_offload_key(h, 0)) is None:
+        if policy.get(make_offload_key(h, 0)) is None:
             break
         n += 1
     return n

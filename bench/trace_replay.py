@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvoffload.bench.residency import cpu_policy
 from kvoffload.bench.routing import LoadClock, Route, Router, gpu_match_blocks, offload_match_blocks
 
 TRACE_BLOCK = 512  # tokens per hash id in the Mooncake traces
@@ -138,6 +140,9 @@ class Replay:
     verify: bool = True
     clock: LoadClock | None = None
     max_steps: int = 4000
+    # Wall time an engine step that scheduled nothing sleeps: it waits on a tier's threads
+    # (a disk write, a promotion) that would otherwise compete with a spinning loop.
+    pause_s: float = 0.0
     served: list[Served] = field(default_factory=list)
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys((
         "requests", "prompt_tokens", "gpu_tokens", "offload_hit_tokens", "recomputed_tokens",
@@ -186,11 +191,23 @@ class Replay:
             engine = self.engines[e]
             m = gpu_match_blocks(engine, probe)
             # Per-engine offload only: a shared pool matches the same on every engine.
-            if with_offload and hasattr(engine.connector.connector_scheduler.manager, "_policy"):
+            if with_offload and cpu_policy(
+                    engine.connector.connector_scheduler.manager) is not None:
                 m = max(m, offload_match_blocks(engine, probe))
             return m
 
         return matches
+
+    def _run(self, engine: Any) -> None:
+        if not self.pause_s:
+            engine.run(max_steps=self.max_steps)
+            return
+        for _ in range(self.max_steps):
+            if not engine.busy():
+                return
+            if not engine.step().num_scheduled_tokens:
+                time.sleep(self.pause_s)
+        raise AssertionError(f"engine still busy after {self.max_steps} steps")
 
     def serve(self, tokens: list[int], reply: list[int], route: Route, *,
               now_s: float = 0.0, output_real: int | None = None) -> Served:
@@ -203,7 +220,7 @@ class Replay:
         req_id = f"q{route.index}"
         self._prompts[req_id] = tokens
         engine.add(tokens, req_id, reply=reply)
-        engine.run(max_steps=self.max_steps)
+        self._run(engine)
         recomputed = engine.prefill_tokens.pop(req_id, 0)
         started = engine.first_start.pop(req_id, 0)
         answer = self._answer.pop(req_id, 0)

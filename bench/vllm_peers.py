@@ -26,6 +26,7 @@ POLICIES = ("chunk", "request")
 EVICTIONS = ("lru", "arc")
 CONFIGS = tuple(f"{p}-{e}" for p in POLICIES for e in EVICTIONS)
 REQUEST_SPEC = "RequestLevelCPUOffloadingSpec"
+TIERING_SPEC = "TieringOffloadingSpec"  # vLLM's own, registered in its OffloadingSpecFactory
 
 
 @functools.cache
@@ -59,19 +60,31 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def offload_engine(chunks: int, config: str = "chunk-lru", **engine: Any) -> Any:
+def offload_engine(chunks: int, config: str = "chunk-lru", *,
+                   tiers: list[dict[str, Any]] | None = None, **engine: Any) -> Any:
     """A ``MiniEngine`` on vLLM's own CPU offloading with ``chunks`` blocks of host memory in
-    configuration ``config`` (``POLICY-EVICTION``); ``engine``: gpu_blocks, shape, extras."""
+    configuration ``config`` (``POLICY-EVICTION``); ``engine``: gpu_blocks, shape, extras.
+
+    ``tiers``: vLLM's ``TieringOffloadingSpec`` instead, the same CPU cache as its primary
+    tier and these ``secondary_tiers`` below it (e.g. ``{"type": "fs", "root_dir": D}``).
+    Its store policy is the tiers' to choose (the fs tier asks for chunk level), so only
+    ``chunk-*`` configurations exist there."""
     from kvoffload.bench.vllm_engine import vllm_cpu_engine
 
     policy, eviction = config.split("-")
     if policy not in POLICIES or eviction not in EVICTIONS:
         raise ValueError(f"unknown vLLM offload configuration {config!r}: one of {CONFIGS}")
     extra: dict[str, Any] = {"eviction_policy": eviction}
-    if policy == "request":
+    if tiers is not None:
+        if policy != "chunk":
+            raise ValueError(f"{config}: vLLM's tiering spec takes its store policy from "
+                             "its tiers (chunk level for fs)")
+        extra.update(spec_name=TIERING_SPEC, secondary_tiers=tiers)
+    elif policy == "request":
         extra.update(spec_name=REQUEST_SPEC, spec_module_path="kvoffload.bench.vllm_peers")
     e = vllm_cpu_engine(chunks * CHUNK_BYTES, **extra, **engine)
-    got = e.connector.connector_scheduler.manager._num_chunks
+    manager = e.connector.connector_scheduler.manager
+    got = (manager.primary_tier if tiers is not None else manager)._num_chunks
     if got != chunks:
         e.shutdown()
         raise AssertionError(f"vLLM's manager has {got} chunks, {chunks} asked for "

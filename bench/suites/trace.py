@@ -22,6 +22,14 @@ ours. ``ratio`` = median over windows of ours / best vLLM offload-hit tokens at 
 with ``kv_aware_cpu`` routing, the router per-engine caches do best under (target >= 1.2;
 ``kv_aware`` when that one is not run); ``ratio_<routing>`` the same per routing. Verify
 failures must be 0. ``run_rss`` (``--rss``): the whole trace through one daemon, its RssAnon. Run alone: ``python -m kvoffload.bench.suites.trace [--full] [--trace F]``.
+
+Effective capacity (issue 25, "duplicates across engines"): every replay also samples, every
+``residency_every`` requests and at its end, the distinct blocks held in host memory
+(bench/residency.py: the daemon's shared index, checked against its Stats; each vLLM engine's
+cache policy): ``cell["capacity"]`` is ours / vLLM's union (mean over samples, final), with
+vLLM's duplication factor (sum / union); ``capacity_<routing>`` spreads it over windows. The
+below-memory variant (a pool far below the working set, disk and Mooncake tiers under it, vs
+vLLM's tiering spec) is bench/suites/below_memory.py.
 """
 
 from __future__ import annotations
@@ -33,6 +41,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.bench.proc import daemon_process
+from kvoffload.bench.residency import (
+    ResidencySampler,
+    capacity,
+    check_against_stats,
+    ours_summary,
+    vllm_resident,
+    vllm_summary,
+)
 from kvoffload.bench.routing import Router
 from kvoffload.bench.seeds import reason_of
 from kvoffload.bench.suites.load import rss_anon
@@ -60,10 +76,11 @@ class Sizes:
     window: int  # requests
     gpu_blocks: int  # per engine: the trace's longest prompt (247 ids) must fit
     configs: tuple[str, ...]  # vLLM configurations run
+    residency_every: int  # requests between samples of the blocks resident
 
 
-SIZES = {True: Sizes(3, 60, 192, ("chunk-lru", "request-lru")),  # quick
-         False: Sizes(3, 1000, 512, CONFIGS)}
+SIZES = {True: Sizes(3, 60, 192, ("chunk-lru", "request-lru"), 20),  # quick
+         False: Sizes(3, 1000, 512, CONFIGS, 100)}
 
 
 def _shape() -> Any:
@@ -94,18 +111,26 @@ def _rss_stats(samples: list[int]) -> dict[str, Any]:
 
 def run_ours(window: Sequence[TraceRequest], routing: str, engines: int, gpu: int, host: int,
              scale: Scale, *, seed: int = 0, rss_every: int = 50,
-             before: Callable[[Replay, int, str], None] | None = None) -> dict[str, Any]:
+             before: Callable[[Replay, int, str], None] | None = None,
+             residency_every: int | None = None, daemon_args: Sequence[str] = (),
+             pause_s: float = 0.0,
+             after: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
     """One daemon of ``host`` slots for every engine; ``before(replay, i, control)`` runs
-    ahead of request ``i`` (the restart suite replaces an engine there)."""
+    ahead of request ``i`` (the restart suite replaces an engine there). ``residency_every``:
+    sample the distinct blocks the daemon holds (bench/residency.py); ``daemon_args``: more
+    ``kvoffload serve`` flags (a disk or Mooncake tier); ``after(ready)``: read the live
+    daemon once the replay is done (its dict is ``out["after"]``)."""
     from kvoffload.bench.vllm_engine import plugin_engine
 
     shape = _shape()
-    with daemon_process("--lease-ms", "600000", pool_bytes=host * shape.page,
+    with daemon_process("--lease-ms", "600000", *daemon_args, pool_bytes=host * shape.page,
                         slot_bytes=0) as (proc, ready):
         started = [plugin_engine(ready["control"], gpu_blocks=gpu, shape=shape)
                    for _ in range(engines)]
-        replay = Replay(started, Router(routing, engines, seed=seed), scale)
+        replay = Replay(started, Router(routing, engines, seed=seed), scale, pause_s=pause_s)
         rss: list[int] = []
+        sampler = ResidencySampler(lambda: check_against_stats(
+            ready["pool_path"], ready["control"]), residency_every or 0)
         try:
             if pool_slots(started[0]) != host:
                 raise AssertionError(f"pool has {pool_slots(started[0])} slots, {host} asked")
@@ -113,44 +138,77 @@ def run_ours(window: Sequence[TraceRequest], routing: str, engines: int, gpu: in
             def hook(i: int) -> None:
                 if i % rss_every == 0:
                     rss.append(rss_anon(proc.pid))
+                if residency_every:
+                    sampler.before(i)
                 if before is not None:
                     before(replay, i, ready["control"])
 
             replay.run(window, before=hook)
             rss.append(rss_anon(proc.pid))
+            if residency_every:
+                sampler.final(len(window))
             out = replay.result()
+            if after is not None:
+                out["after"] = after(ready)
         finally:
             for e in replay.engines:
                 e.shutdown()
     out["daemon_rss_anon"] = _rss_stats(rss)
+    if residency_every:
+        out["residency"] = ours_summary(sampler)
     out["served"] = replay.served
     return out
 
 
 def run_vllm(window: Sequence[TraceRequest], routing: str, engines: int, gpu: int, host: int,
              scale: Scale, config: str, *, seed: int = 0,
-             before: Callable[[Replay, int, str], None] | None = None) -> dict[str, Any]:
-    """Each engine its own vLLM CPU offload of ``host // engines`` chunks."""
-    started = [offload_engine(host // engines, config, gpu_blocks=gpu, shape=_shape())
+             before: Callable[[Replay, int, str], None] | None = None,
+             residency_every: int | None = None, pause_s: float = 0.0,
+             make: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Each engine its own vLLM CPU offload of ``host // engines`` chunks (``make``: another
+    engine of the same memory, e.g. with a tier below it); ``residency_every``: sample the
+    keys their CPU caches hold (bench/residency.py)."""
+    started = [make() if make is not None else
+               offload_engine(host // engines, config, gpu_blocks=gpu, shape=_shape())
                for _ in range(engines)]
-    replay = Replay(started, Router(routing, engines, seed=seed), scale, verify=False)
+    replay = Replay(started, Router(routing, engines, seed=seed), scale, verify=False,
+                    pause_s=pause_s)
+    sampler = ResidencySampler(lambda: vllm_resident(replay.engines), residency_every or 0)
+
+    def hook(i: int) -> None:
+        if residency_every:
+            sampler.before(i)
+        if before is not None:
+            before(replay, i, config)
+
     try:
-        replay.run(window, before=None if before is None else (
-            lambda i: before(replay, i, config)))
+        replay.run(window, before=hook)
+        if residency_every:
+            sampler.final(len(window))
         out = replay.result()
     finally:
         for e in replay.engines:
             e.shutdown()
+    if residency_every:
+        out["residency"] = vllm_summary(sampler)
     out["served"] = replay.served
     return out
 
 
 def _cell(window: Sequence[TraceRequest], routing: str, n: int, gpu: int, host: int,
-          scale: Scale, configs: Sequence[str], ceiling: int, seed: int) -> dict[str, Any]:
-    theirs = {c: run_vllm(window, routing, n, gpu, host, scale, c, seed=seed) for c in configs}
-    mine = run_ours(window, routing, n, gpu, host, scale, seed=seed)
+          scale: Scale, configs: Sequence[str], ceiling: int, seed: int,
+          every: int) -> dict[str, Any]:
+    theirs = {c: run_vllm(window, routing, n, gpu, host, scale, c, seed=seed,
+                          residency_every=every) for c in configs}
+    mine = run_ours(window, routing, n, gpu, host, scale, seed=seed, residency_every=every)
     best = max(configs, key=lambda c: theirs[c]["offload_hit_tokens"])
     cell: dict[str, Any] = {"ours": mine, "vllm": theirs, "vllm_best": best}
+    # Effective capacity against the configuration holding the most distinct blocks (the
+    # peer's best case for this measure; not always the one with the most hits).
+    roomiest = max(configs, key=lambda c: theirs[c]["residency"]["union"]["mean"] or 0)
+    cell["capacity"] = {"vs": roomiest, **capacity(mine["residency"],
+                                                   theirs[roomiest]["residency"]),
+                        "vllm_duplication": theirs[roomiest]["residency"]["duplication"]}
     b = theirs[best]["offload_hit_tokens"]
     # Per-engine offload that serves nothing at all: ours is infinitely better, or both are 0.
     cell["ratio"] = (round(mine["offload_hit_tokens"] / b, 3) if b else
@@ -209,19 +267,31 @@ def run_trace_bench(quick: bool = True, *, trace: str | None = None, trace_scale
                                                 / 60000, 2), "ceiling_tokens": ceiling}
         for routing in routings:
             say(f"window {w + 1}/{len(starts)}, {routing}: vLLM {len(configs)} configs, ours")
-            cell = _cell(win, routing, engines, gpu, host, scale, configs, ceiling, seed=w)
+            cell = _cell(win, routing, engines, gpu, host, scale, configs, ceiling, seed=w,
+                         every=size.residency_every)
             row[routing] = cell
             ours = cell["ours"]
             if ours["verify_failures"] or ours["failed_loads"] or ours["unaccounted_tokens"]:
                 missed.append(f"window {w + 1} {routing}: {ours['verify_failures']} wrong "
                               f"loads, {ours['failed_loads']} failed, "
                               f"{ours['unaccounted_tokens']} tokens unaccounted")
+            res = ours["residency"]
+            if res["stats_ready_final"] != res["resident"]["final"]:
+                missed.append(f"window {w + 1} {routing}: the index shows "
+                              f"{res['resident']['final']} blocks READY, the daemon's Stats "
+                              f"{res['stats_ready_final']}")
         row["prompt_tokens"] = row[routings[0]]["ours"]["prompt_tokens"]
         out["windows"].append(row)
     for routing in routings:
         ratios = [r[routing]["ratio"] for r in out["windows"] if r[routing]["ratio"] is not None]
         out[f"ratio_{routing}"] = statistics.median(ratios) if ratios else None
         out[f"windows_{routing}"] = _spread(ratios)
+        caps = [r[routing]["capacity"] for r in out["windows"]]
+        out[f"capacity_{routing}"] = {
+            "final": _spread([c["final"] for c in caps if c["final"] is not None]),
+            "mean": _spread([c["mean"] for c in caps if c["mean"] is not None]),
+            "vllm_duplication_mean": _spread([c["vllm_duplication"]["mean"] for c in caps
+                                              if c["vllm_duplication"]["mean"] is not None])}
     head = next((r for r in HEADLINE if r in routings), routings[0])
     out["headline_routing"] = head
     out["ratio"] = out[f"ratio_{head}"]
@@ -261,6 +331,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--routing", action="append", choices=ROUTINGS)
     ap.add_argument("--rss", action="store_true",
                     help="the whole trace through one daemon, its RssAnon over the run")
+    ap.add_argument("--windows", type=int)
     args = ap.parse_args(argv)
     if args.rss:
         requests = load_trace(args.trace) if args.trace else generated_trace()
@@ -268,7 +339,7 @@ def main(argv: list[str]) -> None:
         return
     print(json.dumps(run_trace_bench(
         not args.full, trace=args.trace, trace_scale=args.trace_scale, window=args.window,
-        routings=tuple(args.routing or ROUTINGS),
+        n_windows=args.windows, routings=tuple(args.routing or ROUTINGS),
         progress=lambda m: print(f"  {m} ...", file=sys.stderr)), indent=2))
 
 
