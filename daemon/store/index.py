@@ -26,7 +26,7 @@ from kvoffload.daemon.store.eviction import EvictionPolicy, make_policy
 from kvoffload.daemon.store.pool import Pool
 from kvoffload.daemon.store.reclaim import Reclaimer, Writers
 from kvoffload.daemon.store.session_file import PreviousSessions
-from kvoffload.daemon.store.slot_arrays import MIN_FREE, SlotTable
+from kvoffload.daemon.store.slot_arrays import SlotTable
 from kvoffload.daemon.store.slot_states import (  # noqa: F401 - re-exported: callers use index.X
     _SHARED_STATE,
     Listener,
@@ -189,12 +189,9 @@ class BlockIndex(SlotTable):
         so waiting until the pool is full would refuse the very request that evicted."""
         if not self.reclaimer.readers:
             return 0  # nobody reads in place: evicting on demand frees a slot at once
-        # Engines' reservations are slots ahead of their stores already: together with the
-        # free and retiring ones they make the target, so the pool does not keep both empty
-        # (on hybrid_chat's 167 slots that was ~18 % of the pool: 1.8 % more recomputed than
-        # vLLM's own manager at the same policy). A few stay free for everyone else
-        # (promotions, clients without a reservation).
-        target = max(MIN_FREE, self.free_target - len(self.reserved_by))
+        # Not less for engines' reservations: promotions from the tiers need free slots
+        # (counting reservations left 2 free and starved them: issue 25's below-memory run).
+        target = self.free_target
         evicted = 0
         while self.pool.free_slots + self.reclaimer.backlog < target \
                 and self.reclaimer.backlog < self.max_retired:
