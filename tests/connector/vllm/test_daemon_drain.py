@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_helpers import DaemonHandle, run_daemon
-from tests.plugin_common import hold_first, kv_matches, plugin_config, run_held, wait_until
+from tests.plugin_common import (
+    connect,
+    hold_first,
+    kv_matches,
+    plugin_config,
+    run_held,
+    wait_until,
+)
 from tests.vllm_harness import vllm_import_error
 
 pytestmark = [
@@ -52,7 +59,12 @@ def test_sigterm_with_a_load_in_flight_fails_no_load(daemon: DaemonHandle) -> No
 
     e.on_loaded = on_loaded
     e.add(PROMPT, "second", max_tokens=2)
-    runner = run_held(e, entered)  # the load's slots are pinned; its copy has not run yet
+    runner = run_held(e, entered)  # its copy has not run yet ...
+    # ... and its pins are in: the Step that carries them went out without waiting, and on a
+    # loaded host the daemon may not have read it yet when the signal comes.
+    watcher = connect(daemon.control, e.connector.scheduler.manager.geometry)
+    assert wait_until(lambda: watcher.stats()["pinned"] > 0)
+    watcher.close()
     assert daemon.proc is not None
     daemon.proc.send_signal(signal.SIGTERM)
     # Draining: it does not stop while the pin is held (an engine's Step still gets through).
