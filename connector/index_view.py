@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from kvoffload.connector.ready_table import ReadyTable
 from kvoffload.daemon.store import fence
 from kvoffload.daemon.store import shared_index as si
 
@@ -124,12 +125,13 @@ class IndexView(_Mapped):
     def __init__(self, path: str | Path, namespace: int, daemon_id: str | None = None) -> None:
         super().__init__(path, daemon_id)
         self.namespace = namespace
-        self.ready: dict[bytes, tuple[int, int]] = {}  # key -> (slot, ident word)
+        # READY keys in flat arrays, no object per key (``ready_table.py``: why, and why a
+        # hash suffices); PENDING keys, few (stores in flight), in a set and two dicts.
+        self.ready = ReadyTable(self.num_slots, self._key_at)
         self.pending: set[bytes] = set()
-        self.not_worth: set[bytes] = set()  # ready tails the daemon declines to serve
-        self._slot_key: dict[int, bytes] = {}
-        self._key_slot: dict[bytes, int] = {}
-        self._mine = np.zeros(self.num_slots, dtype=bool)  # slots holding one of our keys
+        self._pending_slot: dict[bytes, int] = {}
+        self._slot_pending: dict[int, bytes] = {}
+        self._mine = np.zeros(self.num_slots, dtype=bool)  # slots that held one of our keys
         self.applied = 0  # ring position applied: the epoch this view reflects
         self.seen = 0  # the head the latest refresh read: ``applied`` < ``seen`` while lagging
         self.budget_s = REFRESH_BUDGET_S
@@ -150,31 +152,27 @@ class IndexView(_Mapped):
         del table
         return rows, (seq == again) & (seq & 1 == 0) & (rows["seq"] == seq)
 
-    def _forget_slot(self, slot: int) -> None:
-        old = self._slot_key.pop(slot, None)
-        self._mine[slot] = False
-        if old is not None and self._key_slot.get(old) == slot:
-            del self._key_slot[old]
-            self.ready.pop(old, None)
-            self.pending.discard(old)
-            self.not_worth.discard(old)
+    def _key_at(self, slot: int) -> bytes | None:
+        """The key the table holds in ``slot`` now, read consistently (iteration only)."""
+        _, rows = self._consistent(np.array([slot], dtype=np.int64))
+        if not len(rows) or rows["ns"][0] != self.namespace:
+            return None
+        return rows["key"][0].tobytes()[:int(rows["keylen"][0])]
 
-    def _set(self, slot: int, ident: int, state: int, flags: int, key: bytes) -> None:
-        self._forget_slot(slot)
-        if not key:
-            return
-        self._slot_key[slot] = key
-        self._key_slot[key] = slot
-        self._mine[slot] = True
-        self.not_worth.discard(key)
-        if state == si.READY:
+    def _unpend(self, key: bytes) -> None:
+        slot = self._pending_slot.pop(key, None)
+        if slot is not None:
             self.pending.discard(key)
-            self.ready[key] = (slot, ident)
-            if flags & si.FLAG_NOT_WORTH:
-                self.not_worth.add(key)
-        else:
-            self.ready.pop(key, None)
-            self.pending.add(key)
+            if self._slot_pending.get(slot) == key:
+                del self._slot_pending[slot]
+
+    def _forget_slot(self, slot: int) -> None:
+        self._mine[slot] = False
+        self.ready.drop(slot)
+        old = self._slot_pending.pop(slot, None)
+        if old is not None and self._pending_slot.get(old) == slot:
+            del self._pending_slot[old]
+            self.pending.discard(old)
 
     def _consistent(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slots, rows) read consistently; an entry mid-write is read again a few times,
@@ -204,33 +202,36 @@ class IndexView(_Mapped):
         width = mine.dtype["key"].itemsize
         raw = mine["key"].tobytes()
         mine_slots = slots[ours]
-        # One pass, no call per entry (the cost of a burst in our own namespace): what
-        # ``_forget_slot`` + ``_set`` do, inlined.
-        slot_key, key_slot, ready = self._slot_key, self._key_slot, self.ready
-        pending, not_worth = self.pending, self.not_worth
+        # One pass, no call per entry but the table's (the cost of a burst in our own
+        # namespace). A key lives in one slot: READY here drops it from PENDING anywhere, and
+        # PENDING here drops it from READY anywhere.
+        ready, pending = self.ready, self.pending
+        pending_slot, slot_pending = self._pending_slot, self._slot_pending
+        put, drop, find, unpend = ready.put, ready.drop, ready.find, self._unpend
         ready_state, no_worth = si.READY, si.FLAG_NOT_WORTH
         for i, (slot, ident, state, flags, n) in enumerate(zip(
                 mine_slots.tolist(), mine["ident"].tolist(), mine["state"].tolist(),
                 mine["flags"].tolist(), mine["keylen"].tolist(), strict=True)):
             key = raw[i * width:i * width + n]
-            old = slot_key.get(slot)
-            if old is not None and old != key and key_slot.get(old) == slot:
-                del key_slot[old]
-                ready.pop(old, None)
-                pending.discard(old)
-                not_worth.discard(old)
-            slot_key[slot] = key
-            key_slot[key] = slot
-            if state == ready_state:
-                pending.discard(key)
-                ready[key] = (slot, ident)
-                if flags & no_worth:
-                    not_worth.add(key)
+            old = slot_pending.get(slot)
+            if old is not None and old != key:
+                if pending_slot.get(old) == slot:
+                    unpend(old)
                 else:
-                    not_worth.discard(key)
+                    del slot_pending[slot]
+            if state == ready_state:
+                if key in pending_slot:
+                    unpend(key)
+                put(slot, key, ident, bool(flags & no_worth))
             else:
-                ready.pop(key, None)
-                not_worth.discard(key)
+                drop(slot)
+                elsewhere = find(key)
+                if elsewhere >= 0:
+                    drop(elsewhere)
+                if pending_slot.get(key, slot) != slot:
+                    unpend(key)
+                slot_pending[slot] = key
+                pending_slot[key] = slot
                 pending.add(key)
         self._mine[mine_slots] = True
 
@@ -256,7 +257,13 @@ class IndexView(_Mapped):
 
     def slot_of(self, key: bytes) -> int | None:
         """The slot a READY or PENDING key is in."""
-        return self._key_slot.get(key)
+        slot = self.ready.find(key)
+        return slot if slot >= 0 else self._pending_slot.get(key)
+
+    def declines(self, key: bytes) -> bool:
+        """A READY tail the daemon declines to serve: its load cannot repay its bytes."""
+        slot = self.ready.find(key)
+        return slot >= 0 and self.ready.declined(slot)
 
     # -- the per-step call ----------------------------------------------------------------
 

@@ -170,7 +170,9 @@ def node_total(control: str, geometry: Geometry, daemon_anon: int) -> dict[str, 
         reader.close()
     total = daemon_anon + shared + ENGINES * view_bytes
     return {"shared_index_bytes": shared, "index_view_bytes": view_bytes,
-            "index_view_keys": keys, "node_engines": ENGINES, "node_total_bytes": total,
+            "index_view_keys": keys,
+            "index_view_bytes_per_key": round(view_bytes / max(1, keys), 1),
+            "node_engines": ENGINES, "node_total_bytes": total,
             "node_bytes_per_block": round(total / max(1, keys), 1)}
 
 

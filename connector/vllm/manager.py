@@ -2,8 +2,8 @@
 
 vLLM's scheduler asks ``lookup(key)`` dozens of times per request and runs its own scan over
 the answers (complete chunks, partial tails, EAGLE margins, ``max_load_tokens``, ...). Every
-answer here is a dict lookup in ``IndexView`` -- the daemon's index as this engine last read it
--- so vLLM's scan runs unchanged over true per-key states and costs what it costs over vLLM's
+answer here is a probe of ``IndexView``'s table -- the daemon's index as this engine last read
+it -- so vLLM's scan runs unchanged over true per-key states and costs what it costs over vLLM's
 own manager. No message is sent on the lookup path:
 
 * the first call of a scheduler step refreshes the view (one integer read when nothing
@@ -40,6 +40,7 @@ from collections import Counter
 from collections.abc import Collection
 from typing import Any
 
+from kvoffload.connector.ready_table import ReadyTable
 from kvoffload.connector.session import IndexSession
 from kvoffload.connector.vllm.batch import StepBatch as _Batch
 from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
@@ -74,6 +75,7 @@ LAZY_STEPS = 4  # steps a commit, release or lookup report may wait for a messag
 
 HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                              LookupResult.RETRY)
+_OFFLINE = ReadyTable(0, lambda slot: None)  # no view: nothing READY
 
 
 def _empty_store() -> PrepareStoreOutput:
@@ -110,8 +112,7 @@ class DaemonOffloadingManager(OffloadingManager):
         self._flush = False  # vLLM has no request left: send what waits at the next step
         self._live: set[str] = set()  # requests vLLM has not finished
         self._deferred: dict[str, int] = {}  # request -> keys its last store deferred
-        self._ready: dict[bytes, tuple[int, int]] = {}  # the view's, bound each step
-        self._not_worth: set[bytes] = set()
+        self._find, self._declined = _OFFLINE.find, _OFFLINE.declined_flags  # bound per step
 
     # -- the step -----------------------------------------------------------------------
 
@@ -132,9 +133,9 @@ class DaemonOffloadingManager(OffloadingManager):
         view = self.session.view
         self._waits.start_step(self._step, view.pending if view is not None else (),
                                self._finds.asking)
-        # The view's own containers, bound for this step (empty ones when offline).
-        self._ready = view.ready if view is not None else {}
-        self._not_worth = view.not_worth if view is not None else set()
+        # The view's READY probe, bound for this step (one that finds nothing when offline).
+        table = view.ready if view is not None else _OFFLINE
+        self._find, self._declined = table.find, table.declined_flags
         if replies is None:
             return
         reg = self.session.reg
@@ -180,12 +181,13 @@ class DaemonOffloadingManager(OffloadingManager):
     # -- lookups ------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        # The hot path: vLLM calls this ~50-80 times per long request. One dict probe for a
+        # The hot path: vLLM calls this ~50-80 times per long request. One table probe for a
         # hit, everything else only on the way to a miss.
         if not self._busy:
             self._begin()
-        if key in self._ready:
-            if self._not_worth and key in self._not_worth:  # its load cannot repay its bytes
+        slot = self._find(key)
+        if slot >= 0:
+            if self._declined[slot]:  # its load cannot repay its bytes
                 self.counters["tails_declined"] += 1
                 return MISS
             return HIT

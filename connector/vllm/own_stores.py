@@ -59,7 +59,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from typing import Protocol
 
 log = logging.getLogger("kvoffload.connector.vllm")
@@ -112,7 +112,8 @@ _UNANSWERED = (S.CLAIMED, S.DONE_EARLY)  # the daemon has not answered these cla
 
 
 class _View(Protocol):
-    ready: dict[bytes, tuple[int, int]]
+    @property
+    def ready(self) -> Container[bytes]: ...
 
     @property
     def caught_up(self) -> bool: ...

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.daemon_helpers import DaemonHandle, run_daemon  # noqa: E402
-from tests.plugin_common import connect, plugin_config  # noqa: E402
+from tests.plugin_common import connect, plugin_config, wait_until  # noqa: E402
 from tests.vllm_harness import vllm_import_error  # noqa: E402
 
 pytestmark = [
@@ -100,7 +100,15 @@ def test_namespace_reset_between_lookup_and_copy_loads_correct_bytes(
     _stored_then_fresh(e)
     other = connect(daemon.control, e.connector.scheduler.manager.geometry)
     dropped: list[int] = []
-    _before_copy(e, lambda: dropped.append(other.reset()))
+
+    def reset() -> None:
+        # Once the daemon holds the load's pins: the Step that carries them goes out without
+        # waiting, and a reset read before it would drop the blocks (a failed load, correctly
+        # recomputed, but not the race this test is about).
+        assert wait_until(lambda: other.stats()["pinned"] > 0)
+        dropped.append(other.reset())
+
+    _before_copy(e, reset)
     seen = _serve_second(e)
     # The reset dropped the blocks (retired, not reused: our pins and epoch hold them) and
     # the copy still read exactly the bytes that were stored.

@@ -1,0 +1,173 @@
+"""The READY keys of an engine's view, in flat arrays: no Python object per key.
+
+An engine's ``IndexView`` used to keep its READY keys in dicts (``key -> (slot, ident)`` and
+``slot -> key``): about 314 B per key, 314 MB per engine at a million blocks, once per engine on
+the node (issue 24). ``ReadyTable`` keeps, instead,
+
+* an open-addressing hash table of ``2^k >= 2 * num_slots`` buckets, linear probing, each
+  bucket a key's 64-bit hash (``hash(bytes)``: this process's own SipHash, computed once per
+  key object) and the pool slot that holds it, with backward-shift deletion (no tombstones,
+  so probe runs stay short however long the engine runs), and
+* per pool slot: the bucket of its key (or -1), the writer generation it was READY at, and
+  whether the daemon declines to serve it (``FLAG_NOT_WORTH``).
+
+That is 12 B per bucket and 9 B per slot: ~33 B per slot at any fill, so at most ~33 B per
+READY key once the pool is full of this namespace's keys (more per key when it is not, but
+never more in all). A lookup is a hash and a probe or two through memoryviews, ~140 ns more
+than a dict probe here (``kvoffload bench --suite lookup`` reports what it costs a step).
+
+**Why a hash and no key bytes.** Two keys whose hashes are equal are taken as one key. A
+lookup answers (slot, ident) with the ident built from the key *asked for*
+(``shared_index.ident``: generation and a CRC-32 tag of the key), not from the table, and
+every load's worker checks that ident against the slot's own ident word after the copy
+(``SlotGenerations.intact_mask``). So a false hit needs a 64-bit SipHash collision between two
+keys of one namespace *and* a CRC-32 collision between the same two keys: the load of another
+block then fails its check in all but ~2^-96 of the cases where the first, itself ~n * 2^-64
+per lookup, happens. A collision in the table alone makes one key read as missing: vLLM
+computes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import numpy as np
+from kvoffload.daemon.store import shared_index as si
+
+_EMPTY = -1
+
+
+def _finder(mask: int, hashes: memoryview, slots: memoryview) -> Callable[[bytes], int]:
+    def find(key: bytes) -> int:
+        h = hash(key)
+        i = h & mask
+        while True:
+            slot = slots[i]
+            if slot < 0 or hashes[i] == h:
+                return slot
+            i = (i + 1) & mask
+    return find
+
+
+class ReadyTable(Mapping[bytes, tuple[int, int]]):
+    """``key -> (slot, ident)`` for one namespace's READY blocks, keyed by ``hash(key)``.
+
+    ``key_at(slot)`` reads a slot's key back from the shared table; only iteration (tests,
+    tools) uses it: what is iterated is what the view applied, keys as the table holds them
+    now (a slot rewritten since the view's last refresh is left out)."""
+
+    def __init__(self, num_slots: int, key_at: Callable[[int], bytes | None]) -> None:
+        cap = 1 << max(4, (2 * max(1, num_slots) - 1).bit_length())
+        self._mask = cap - 1
+        self._hashes = np.zeros(cap, dtype=np.int64)
+        self._slots = np.full(cap, _EMPTY, dtype=np.int32)
+        self._bucket = np.full(num_slots, _EMPTY, dtype=np.int32)
+        self._gen = np.zeros(num_slots, dtype=np.uint32)
+        self._declined = np.zeros(num_slots, dtype=np.bool_)
+        # Element access through memoryviews: a Python int in ~25 ns, numpy scalars ~80 ns.
+        self._h, self._s = self._hashes.data, self._slots.data
+        self._b, self._g, self._d = self._bucket.data, self._gen.data, self._declined.data
+        self._count = 0
+        self._key_at = key_at
+        # ``find(key)``: the slot holding ``key`` READY, or -1. A closure, not a method: the
+        # lookup path's cost is this probe, and a closure reads its arrays without attribute
+        # lookups.
+        self.find: Callable[[bytes], int] = _finder(self._mask, self._h, self._s)
+
+    # -- reading (the lookup path) ----------------------------------------------------------
+
+    def declined(self, slot: int) -> bool:
+        """The daemon flagged the tail in ``slot`` not worth its load (``FLAG_NOT_WORTH``)."""
+        return bool(self._d[slot])
+
+    @property
+    def declined_flags(self) -> memoryview:
+        """``declined`` per slot, for the lookup path to index without a call."""
+        return self._d
+
+    def holds(self, slot: int) -> bool:
+        return self._b[slot] >= 0
+
+    def get(self, key: bytes, default: object = None) -> tuple[int, int] | None:  # type: ignore[override]
+        slot = self.find(key)
+        if slot < 0:
+            return default  # type: ignore[return-value]
+        return slot, si.ident(self._g[slot], key)
+
+    def __getitem__(self, key: bytes) -> tuple[int, int]:
+        got = self.get(key)
+        if got is None:
+            raise KeyError(key)
+        return got
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self.find(key) >= 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[bytes]:
+        for slot in np.nonzero(self._bucket >= 0)[0].tolist():
+            key = self._key_at(slot)
+            if key is not None and self.find(key) == slot:
+                yield key
+
+    # -- writing (the view's refresh) -------------------------------------------------------
+
+    def put(self, slot: int, key: bytes, gen: int, declined: bool) -> None:
+        """``key`` is READY in ``slot`` at ``gen``: whatever the slot held before is replaced,
+        and a key that moved here from another slot leaves that one."""
+        h = hash(key)
+        mask, hashes, slots, bucket = self._mask, self._h, self._s, self._b
+        mine = bucket[slot]
+        if mine >= 0 and hashes[mine] != h:
+            self._delete(mine)
+        i = h & mask
+        while True:
+            held = slots[i]
+            if held < 0:
+                hashes[i], slots[i] = h, slot
+                self._count += 1
+                break
+            if hashes[i] == h:
+                if held != slot:
+                    bucket[held] = _EMPTY  # the key moved: its old slot no longer holds it
+                    slots[i] = slot
+                break
+            i = (i + 1) & mask
+        bucket[slot] = i
+        self._g[slot] = gen & si.GEN_MASK
+        self._d[slot] = declined
+
+    def drop(self, slot: int) -> None:
+        """``slot`` holds no READY key of ours any more."""
+        i = self._b[slot]
+        if i >= 0:
+            self._delete(i)
+
+    def _delete(self, i: int) -> None:
+        """Empty bucket ``i``; later entries of its probe run shift back so that every entry
+        stays reachable from its home bucket without tombstones."""
+        mask, hashes, slots, bucket = self._mask, self._h, self._s, self._b
+        bucket[slots[i]] = _EMPTY
+        self._count -= 1
+        j = i
+        while True:
+            j = (j + 1) & mask
+            slot = slots[j]
+            if slot < 0:
+                break
+            home = hashes[j] & mask
+            # The entry at j stays when its home lies cyclically in (i, j]: the hole at i is
+            # before its home, and it would be unreachable there.
+            if (i < home <= j) if i <= j else (home > i or home <= j):
+                continue
+            hashes[i], slots[i] = hashes[j], slot
+            bucket[slot] = i
+            i = j
+        slots[i] = _EMPTY
+        hashes[i] = 0
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self._hashes, self._slots, self._bucket, self._gen,
+                                      self._declined))

@@ -1,0 +1,124 @@
+"""The view's READY table against a plain dict model: every find answers what the model does
+after any sequence of puts, moves and drops (a tiny table, so probe runs wrap and backward
+shifts cross the end), and a key costs no Python object."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+import pytest
+from kvoffload.connector.ready_table import ReadyTable
+from kvoffload.daemon.store import shared_index as si
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + bytes(4)
+
+
+class _Model:
+    """What the table must answer: key -> slot, one slot per key, one key per slot."""
+
+    def __init__(self) -> None:
+        self.slot_key: dict[int, bytes] = {}
+        self.key_slot: dict[bytes, int] = {}
+
+    def put(self, slot: int, key: bytes) -> None:
+        self.drop(slot)
+        moved = self.key_slot.pop(key, None)
+        if moved is not None:
+            del self.slot_key[moved]
+        self.slot_key[slot], self.key_slot[key] = key, slot
+
+    def drop(self, slot: int) -> None:
+        key = self.slot_key.pop(slot, None)
+        if key is not None:
+            del self.key_slot[key]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_finds_match_a_dict_after_random_puts_moves_and_drops(seed: int) -> None:
+    rng = random.Random(seed)
+    slots = 12  # 32 buckets: runs wrap around the end of the table
+    model = _Model()
+    table = ReadyTable(slots, model.slot_key.get)
+    keys = [_key(i) for i in range(40)]
+    for _ in range(3000):
+        slot, key = rng.randrange(slots), rng.choice(keys)
+        if rng.random() < 0.6:
+            gen = rng.randrange(1 << 32)
+            table.put(slot, key, gen, declined=rng.random() < 0.1)
+            model.put(slot, key)
+            assert table.get(key) == (slot, si.ident(gen, key))
+        else:
+            table.drop(slot)
+            model.drop(slot)
+        assert len(table) == len(model.key_slot)
+        for k in keys:
+            assert table.find(k) == model.key_slot.get(k, -1)
+        for s in range(slots):
+            assert table.holds(s) == (s in model.slot_key)
+    assert dict(table) == {k: table[k] for k in model.key_slot}
+
+
+def test_a_probe_run_across_the_tables_end_shifts_back_whole() -> None:
+    """Keys whose home is the last bucket fill it and wrap to the first ones; dropping them in
+    any order keeps the rest reachable (the backward shift across the end)."""
+    slots = 8
+    table = ReadyTable(slots, lambda slot: None)
+    mask = table._mask
+    last = [k for k in (_key(i) for i in range(20_000)) if hash(k) & mask == mask][:3]
+    near = [k for k in (_key(i) for i in range(20_000, 40_000)) if hash(k) & mask == 0][:2]
+    run = last + near  # buckets mask, 0, 1 (homes: mask) then 2, 3 (homes: 0)
+    for order in ([0, 1, 2, 3, 4], [1, 3, 0, 4, 2], [4, 2, 0, 3, 1]):
+        for slot, key in enumerate(run):
+            table.put(slot, key, slot, declined=False)
+        alive = set(range(len(run)))
+        for gone in order:
+            table.drop(gone)
+            alive.discard(gone)
+            assert [table.find(k) for k in run] == [s if s in alive else -1
+                                                    for s in range(len(run))]
+        assert len(table) == 0
+
+
+def test_a_key_moved_to_another_slot_leaves_the_first() -> None:
+    table = ReadyTable(8, lambda slot: None)
+    table.put(2, _key(1), 5, declined=True)
+    table.put(6, _key(1), 9, declined=False)
+    assert table.get(_key(1)) == (6, si.ident(9, _key(1))) and not table.holds(2)
+    assert table.declined(2) and not table.declined(6)  # the flag is the slot's
+    table.drop(2)  # the old slot going does not take the key with it
+    assert table.find(_key(1)) == 6 and len(table) == 1
+    with pytest.raises(KeyError):
+        table[_key(2)]
+
+
+def test_the_ident_answered_is_the_asked_keys_not_the_tables() -> None:
+    """A lookup whose hash matches another key's (a collision, forced here by asking through
+    the table's own probe with that key's hash) would carry its own key's tag: the worker's
+    post-copy check against the slot's ident word then fails it."""
+    table = ReadyTable(8, lambda slot: None)
+    table.put(3, _key(1), 7, declined=False)
+    slot, ident = table[_key(1)]
+    assert ident >> 32 == si.key_tag(_key(1)) and ident & si.GEN_MASK == 7
+    assert si.ident(7, _key(2)) != ident  # what a colliding _key(2) would carry to the worker
+
+
+def test_keys_cost_no_python_objects() -> None:
+    """The memory a table holds is fixed at its creation: 20,000 keys added allocate nothing."""
+    n = 20_000
+    keys = [_key(i) for i in range(n)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        table = ReadyTable(n, lambda slot: None)
+        made = tracemalloc.get_traced_memory()[0]
+        for i, key in enumerate(keys):
+            table.put(i, key, i, declined=False)
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(table) == n and all(table.find(k) == i for i, k in enumerate(keys))
+    assert made - before >= table.nbytes()  # the arrays are what it holds ...
+    assert after - made < 4096  # ... and the keys add nothing per key
