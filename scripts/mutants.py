@@ -121,6 +121,10 @@ MUTANTS = [
            # reply or the workers' done is read first (a loaded CI host took the other one).
            (("connector/vllm/own_stores.py", "    (S.DONE_EARLY, E.APPLIED): (S.COMMITTED, A.NONE),",
              "    (S.DONE_EARLY, E.APPLIED): (None, A.NONE),"),)),
+    Mutant("a load's ident carries no tag of the key asked for (a hash collision loads)",
+           "connector/ready_table.py", "        return slot, si.ident(self._g[slot], key)",
+           "        return slot, si.ident(self._g[slot], None)",
+           ("tests/connector/test_ready_table.py",)),
     Mutant("own stores settled against a lagging view", "connector/vllm/own_stores.py",
            "        if not view.caught_up:\n            return\n", "",
            ("tests/connector/test_index_view.py",)),
