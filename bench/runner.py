@@ -38,9 +38,10 @@ SUITES: dict[str, tuple[str, str]] = {
     "sharing": ("kvoffload.bench.suites.sharing", "run_sharing_bench"),
     "trace": ("kvoffload.bench.suites.trace", "run_trace_bench"),
     "restart": ("kvoffload.bench.suites.restart", "run_restart_bench"),
+    "below_memory": ("kvoffload.bench.suites.below_memory", "run_below_memory"),
 }
-# Options some suites take (``kvoffload bench --trace FILE --trace-scale T``), passed on to a
-# suite whose function has a parameter of that name, when given.
+# Options some suites take (``kvoffload bench --trace FILE --trace-scale T``: trace, restart,
+# below_memory), passed on to a suite whose function has a parameter of that name, when given.
 SUITE_OPTIONS = ("trace", "trace_scale")
 # Suites measured against vLLM's own code that still run without it (ours alone): their
 # missing ratio is "not run: vLLM baseline not run: why", not a miss with "no ratio measured".

@@ -73,10 +73,6 @@ def window_starts(total: int, count: int, length: int) -> list[int]:
     return [round(i * last / (count - 1)) for i in range(count)] if count > 1 else [0]
 
 
-def windows(trace: Sequence[TraceRequest], count: int, length: int) -> list[list[TraceRequest]]:
-    return [list(trace[s:s + length]) for s in window_starts(len(trace), count, length)]
-
-
 @dataclass(frozen=True)
 class Scale:
     """``tokens_per_id`` tokens stand for one 512-token id (a multiple of the engine block

@@ -1,10 +1,12 @@
 """The trace suite's below-memory variant: a host pool far smaller than the trace's working set,
 with a tier below it, one daemon vs vLLM's own tiering (issue 25, "where it wins").
 
-``python -m kvoffload.bench.suites.below_memory [--full] [--trace F] [--windows N]`` replays the
-trace suite's windows (same engines, scale, routing and accounting) with host memory
-``HOST_PER_GPU`` x the GPU's per engine (a sixteenth of the trace suite's 4x; at ``--quick``
-sizes ~20 % of a window's distinct blocks, ~2.5 % at full size on the public trace), in all:
+``kvoffload bench --suite below_memory [--quick] [--trace F] [--trace-scale T]`` (or alone:
+``python -m kvoffload.bench.suites.below_memory [--full] [--trace F] [--windows N]``, the
+trace suite's command line, bench/suite_args.py) replays the trace suite's windows (same
+engines, scale, routing and accounting) with host memory ``HOST_PER_GPU`` x the GPU's per
+engine (a sixteenth of the trace suite's 4x; at ``--quick`` sizes ~20 % of a window's
+distinct blocks, ~2.5 % at full size on the public trace), in all:
 
 * ours, ``pool``: one daemon of that many slots for every engine, nothing below it;
 * ours, ``disk``: the same pool plus the daemon's disk tier (``--disk-dir``, bounded above
@@ -41,6 +43,7 @@ from typing import Any
 from kvoffload.bench.residency import capacity
 from kvoffload.bench.seeds import reason_of
 from kvoffload.bench.suites.trace import (
+    ROUTINGS,
     SIZES,
     _shape,
     _spread,
@@ -48,7 +51,13 @@ from kvoffload.bench.suites.trace import (
     run_ours,
     run_vllm,
 )
-from kvoffload.bench.trace_replay import Scale, TraceRequest, ceiling_tokens, load_trace, windows
+from kvoffload.bench.trace_replay import (
+    Scale,
+    TraceRequest,
+    ceiling_tokens,
+    load_trace,
+    window_starts,
+)
 from kvoffload.bench.vllm_baseline import mark_not_run
 from kvoffload.bench.vllm_peers import EVICTIONS, offload_engine
 
@@ -203,13 +212,15 @@ def run_below_memory(quick: bool = True, *, trace: str | None = None, trace_scal
     scale = Scale(trace_scale, 16)
     out: dict[str, Any] = {
         "ratio": None, "target": None, "meets": False, "direction": ">=",
-        "engines": engines, "gpu_blocks_per_engine": gpu, "host_blocks_total": host,
-        "host_blocks_per_engine_vllm": host // engines, "routing": routing,
+        "tokens_per_id": trace_scale, "engines": engines, "gpu_blocks_per_engine": gpu,
+        "host_blocks_total": host, "host_blocks_per_engine_vllm": host // engines,
+        "routing": routing,
         "ours_variants": list(tiers), "vllm_variants": theirs,
         "disk_bytes": DISK_BYTES, "mooncake_segment_bytes": SEGMENT_BYTES,
-        "ratio_means": "offload-hit tokens, one daemon with a disk tier below a pool an eighth "
-                       "of the trace suite's / the best vLLM variant at the same host blocks "
-                       "(its CPU offload alone, or its tiering spec with the fs tier), "
+        "ratio_means": "offload-hit tokens, one daemon with a disk tier below a pool a "
+                       "sixteenth of the trace suite's / the best vLLM variant at the same "
+                       "host blocks (its CPU offload alone, or its tiering spec with the fs "
+                       "tier), "
                        "median over windows",
     }
     if mark_not_run(out):
@@ -219,10 +230,11 @@ def run_below_memory(quick: bool = True, *, trace: str | None = None, trace_scal
     out["trace"] = trace or f"generated (bench/trace_gen.py, seed 0, {len(requests)} requests)"
     out["windows"] = []
     missed: list[str] = []
-    for w, win in enumerate(windows(requests, n_windows, length)):
+    for w, first in enumerate(window_starts(len(requests), n_windows, length)):
+        win = requests[first:first + length]
         args = {"routing": routing, "engines": engines, "gpu": gpu, "host": host,
                 "scale": scale, "seed": w, "every": size.residency_every}
-        row: dict[str, Any] = {"requests": len(win),
+        row: dict[str, Any] = {"first_request": first, "requests": len(win),
                                "ceiling_tokens": sum(ceiling_tokens(win, scale)),
                                "working_set_blocks": len({r.hash_ids[:k] for r in win
                                                           for k in range(1, len(r.hash_ids) + 1)})}
@@ -266,29 +278,19 @@ def run_below_memory(quick: bool = True, *, trace: str | None = None, trace_scal
     out["seeds"] = out.get("windows_disk")
     if out["ratio"] is None and "disk" in tiers:
         missed.append("no vLLM offload hit in any window: ratio undefined")
+    # No ratio target (issue 25 asks where the shared pool wins, not by how much): ``meets``
+    # is the correctness checks alone, and the reason says so.
     out["meets"] = not missed
-    out["reason"] = reason_of(missed)
+    out["reason"] = reason_of(missed) if missed else (
+        "no ratio target: 0 wrong or failed loads in every replay of ours")
     return out
 
 
 def main(argv: list[str]) -> None:
-    import argparse
-    import json
-    import sys
+    from kvoffload.bench.suite_args import run_alone, trace_suite_parser
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    ap = argparse.ArgumentParser(prog="python -m kvoffload.bench.suites.below_memory")
-    ap.add_argument("--full", action="store_true")
-    ap.add_argument("--trace")
-    ap.add_argument("--trace-scale", type=int, default=16)
-    ap.add_argument("--window", type=int)
-    ap.add_argument("--windows", type=int)
-    ap.add_argument("--routing", default=ROUTING)
-    args = ap.parse_args(argv)
-    print(json.dumps(run_below_memory(
-        not args.full, trace=args.trace, trace_scale=args.trace_scale, window=args.window,
-        n_windows=args.windows, routing=args.routing,
-        progress=lambda m: print(f"  {m} ...", file=sys.stderr)), indent=2))
+    args = trace_suite_parser("below_memory", ROUTINGS, routing=ROUTING).parse_args(argv)
+    run_alone(run_below_memory, args, routing=args.routing)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from typing import Any
 from kvoffload.bench.seeds import reason_of
 from kvoffload.bench.suites.trace import (
     HOST_PER_GPU,
+    ROUTINGS,
     SIZES,
     _shape,
     _spread,
@@ -172,18 +173,13 @@ def run_restart_bench(quick: bool = True, *, trace: str | None = None, trace_sca
     return out
 
 
-if __name__ == "__main__":
-    import argparse
-    import json
-    import os
+def main(argv: list[str]) -> None:
+    from kvoffload.bench.suite_args import run_alone, trace_suite_parser
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    ap = argparse.ArgumentParser(prog="python -m kvoffload.bench.suites.restart")
-    ap.add_argument("--full", action="store_true")
-    ap.add_argument("--trace")
-    ap.add_argument("--trace-scale", type=int, default=16)
-    ap.add_argument("--routing", default=ROUTING)
-    args = ap.parse_args()
-    print(json.dumps(run_restart_bench(
-        not args.full, trace=args.trace, trace_scale=args.trace_scale, routing=args.routing,
-        progress=lambda m: print(f"  {m} ...", file=sys.stderr)), indent=2))
+    args = trace_suite_parser("restart", ROUTINGS, routing=ROUTING,
+                              window=False).parse_args(argv)
+    run_alone(run_restart_bench, args, routing=args.routing)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -318,29 +318,19 @@ def run_rss(requests: Sequence[TraceRequest], *, engines: int = 4, gpu: int = 51
 
 
 def main(argv: list[str]) -> None:
-    import argparse
-    import json
-    import os
+    from kvoffload.bench.suite_args import run_alone, trace_suite_parser
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    ap = argparse.ArgumentParser(prog="python -m kvoffload.bench.suites.trace")
-    ap.add_argument("--full", action="store_true")
-    ap.add_argument("--trace")
-    ap.add_argument("--trace-scale", type=int, default=16)
-    ap.add_argument("--window", type=int)
-    ap.add_argument("--routing", action="append", choices=ROUTINGS)
+    ap = trace_suite_parser("trace", ROUTINGS)
     ap.add_argument("--rss", action="store_true",
                     help="the whole trace through one daemon, its RssAnon over the run")
-    ap.add_argument("--windows", type=int)
     args = ap.parse_args(argv)
     if args.rss:
+        import json
+
         requests = load_trace(args.trace) if args.trace else generated_trace()
         print(json.dumps(run_rss(requests, scale=Scale(args.trace_scale, 16)), indent=2))
         return
-    print(json.dumps(run_trace_bench(
-        not args.full, trace=args.trace, trace_scale=args.trace_scale, window=args.window,
-        n_windows=args.windows, routings=tuple(args.routing or ROUTINGS),
-        progress=lambda m: print(f"  {m} ...", file=sys.stderr)), indent=2))
+    run_alone(run_trace_bench, args, routings=tuple(args.routing or ROUTINGS))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="keep vLLM's and Mooncake's own logging on stderr")
     b.add_argument("--trace", metavar="FILE",
                    help="a Mooncake FAST'25 format trace (JSON lines: timestamp, input_length, "
-                        "output_length, hash_ids) for the trace and restart suites; default: "
+                        "output_length, hash_ids) for the trace, restart and below_memory "
+                        "suites; default: "
                         "a generated one")
     b.add_argument("--trace-scale", type=int, metavar="T",
                    help="tokens each 512-token hash id of the trace stands for (a multiple of "
