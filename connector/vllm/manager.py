@@ -1,10 +1,9 @@
 """Scheduler side of the plugin: vLLM's ``OffloadingManager`` over the daemon's shared index.
 
 vLLM's scheduler asks ``lookup(key)`` dozens of times per request and runs its own scan over
-the answers (complete chunks, partial tails, EAGLE margins, ``max_load_tokens``, ...). Every
-answer here is a probe of ``IndexView``'s table -- the daemon's index as this engine last read
-it -- so vLLM's scan runs unchanged over true per-key states and costs what it costs over vLLM's
-own manager. No message is sent on the lookup path:
+the answers (chunks, partial tails, EAGLE margins, ``max_load_tokens``, ...). Each answer is a
+probe of ``IndexView``'s table (the daemon's index as this engine last read it), so vLLM's scan
+runs unchanged over true per-key states. No message is sent on the lookup path:
 
 * the first call of a scheduler step refreshes the view (one integer read when nothing
   changed) and reads the replies of earlier steps; ``on_schedule_end`` sends the step's
@@ -112,7 +111,7 @@ class DaemonOffloadingManager(OffloadingManager):
         self._flush = False  # vLLM has no request left: send what waits at the next step
         self._live: set[str] = set()  # requests vLLM has not finished
         self._deferred: dict[str, int] = {}  # request -> keys its last store deferred
-        self._find, self._declined = _OFFLINE.find, _OFFLINE.declined_flags  # bound per step
+        self._find, self._declined = _OFFLINE.find, _OFFLINE.declined_flags  # per step: _begin
 
     # -- the step -----------------------------------------------------------------------
 
@@ -133,9 +132,8 @@ class DaemonOffloadingManager(OffloadingManager):
         view = self.session.view
         self._waits.start_step(self._step, view.pending if view is not None else (),
                                self._finds.asking)
-        # The view's READY probe, bound for this step (one that finds nothing when offline).
-        table = view.ready if view is not None else _OFFLINE
-        self._find, self._declined = table.find, table.declined_flags
+        table = view.ready if view is not None else _OFFLINE  # offline: nothing READY
+        self._find, self._declined = table.find, table.declined_flags  # bound for this step
         if replies is None:
             return
         reg = self.session.reg
