@@ -55,9 +55,6 @@ class BlockIndex(SlotTable):
         self.reclaimer = Reclaimer()
         self.owners: dict[str, int] = {}  # engine instance -> owner id (0: nobody known)
         self.previous: PreviousSessions | None = None  # a previous daemon's engine sessions
-        # A lower tier promotes blocks into the pool (set by tiers/promote.py): its promotions
-        # need free slots, so evict-ahead does not count engines' reservations (keep_free).
-        self.has_tiers = False
         self._hold_for_previous = False
         self._size(0)
 
@@ -192,15 +189,11 @@ class BlockIndex(SlotTable):
         so waiting until the pool is full would refuse the very request that evicted."""
         if not self.reclaimer.readers:
             return 0  # nobody reads in place: evicting on demand frees a slot at once
-        # Engines' reservations are empty slots ahead of their stores too, and every slot held
-        # empty is a block the pool does not keep (issue 24: at 167 slots, 10 kept free plus
-        # 20 reserved made ours serve about what vLLM's serves with 137). Not counted with a
-        # tier below: its promotions need free slots (counting reservations there left 2 free
-        # and starved them: issue 25's below-memory run).
+        # Not less for engines' reservations: promotions from the tiers need free slots
+        # (counting reservations left 2 free and starved them: issue 25's below-memory run).
         target = self.free_target
-        reserved = 0 if self.has_tiers else len(self.reserved_by)
         evicted = 0
-        while self.pool.free_slots + self.reclaimer.backlog + reserved < target \
+        while self.pool.free_slots + self.reclaimer.backlog < target \
                 and self.reclaimer.backlog < self.max_retired:
             victims = self.policy.victims(1, self._evictable)
             if not victims:
