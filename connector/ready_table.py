@@ -6,14 +6,23 @@ the node (issue 24). ``ReadyTable`` keeps, instead,
 
 * an open-addressing hash table of ``2^k >= 2 * num_slots`` buckets, linear probing, each
   bucket a key's 64-bit hash (``hash(bytes)``: this process's own SipHash, computed once per
-  key object) and the pool slot that holds it, with backward-shift deletion (no tombstones,
-  so probe runs stay short however long the engine runs), and
+  key object) and the pool slot that holds it, with backward-shift deletion (tombstones only
+  for a burst of drops, and only until ``purge``: probe runs stay short however long the
+  engine runs), and
 * per pool slot: the bucket of its key (or -1), the writer generation it was READY at, and
   whether the daemon declines to serve it (``FLAG_NOT_WORTH``).
 
 That is 12 B per bucket and 9 B per slot: ~33 B per slot at any fill, so at most ~33 B per
 READY key once the pool is full of this namespace's keys (more per key when it is not, but
-never more in all). A lookup is a hash and a probe or two through memoryviews, ~140 ns more
+never more in all).
+
+**Many drops at once** (``drop_many``: a burst of evictions in this namespace, which the view
+applies in the step it reads them, ``index_view.py``) are vectorized: their buckets become
+*tombstones* (a hash no key has, a slot number no slot has), ~5 ns each instead of a ~1 µs
+backward-shift deletion each. A probe passes over a tombstone; ``purge`` empties them (one
+backward shift each) a window of buckets at a time within the refresh's budget, and at once
+when they would fill a quarter of the buckets, so the table never fills and probe runs stay
+short. A lookup is a hash and a probe or two through memoryviews, ~140 ns more
 than a dict probe here (``kvoffload bench --suite lookup`` reports what it costs a step).
 
 **Why a hash and no key bytes.** Two keys whose hashes are equal are taken as one key. A
@@ -30,11 +39,16 @@ computes it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from time import perf_counter
 
 import numpy as np
 from kvoffload.daemon.store import shared_index as si
 
 _EMPTY = -1
+# A tombstone's hash: ``hash()`` never returns -1 (CPython maps it to -2), so no key matches.
+_TOMB = -1
+_PURGE_WINDOW = 1 << 14  # buckets scanned per purge step (one vectorized compare, ~5 µs)
+_PURGE_AT_LEAST = 32  # tombstones emptied per call whatever the deadline: purging progresses
 
 
 def _finder(mask: int, hashes: memoryview, slots: memoryview) -> Callable[[bytes], int]:
@@ -61,13 +75,18 @@ class ReadyTable(Mapping[bytes, tuple[int, int]]):
         self._mask = cap - 1
         self._hashes = np.zeros(cap, dtype=np.int64)
         self._slots = np.full(cap, _EMPTY, dtype=np.int32)
-        self._bucket = np.full(num_slots, _EMPTY, dtype=np.int32)
+        # One more than the slots: a tombstone's slot number (``num_slots``) has an entry too,
+        # which the backward shift may write when it moves a tombstone, and nothing reads.
+        self._tomb_slot = num_slots
+        self._bucket = np.full(num_slots + 1, _EMPTY, dtype=np.int32)
         self._gen = np.zeros(num_slots, dtype=np.uint32)
         self._declined = np.zeros(num_slots, dtype=np.bool_)
         # Element access through memoryviews: a Python int in ~25 ns, numpy scalars ~80 ns.
         self._h, self._s = self._hashes.data, self._slots.data
         self._b, self._g, self._d = self._bucket.data, self._gen.data, self._declined.data
         self._count = 0
+        self.tombs = 0  # tombstones left by drop_many, emptied by purge
+        self._scan = 0  # the next bucket window purge looks at (cyclic)
         self._key_at = key_at
         # ``find(key)``: the slot holding ``key`` READY, or -1. A closure, not a method: the
         # lookup path's cost is this probe, and a closure reads its arrays without attribute
@@ -107,7 +126,7 @@ class ReadyTable(Mapping[bytes, tuple[int, int]]):
         return self._count
 
     def __iter__(self) -> Iterator[bytes]:
-        for slot in np.nonzero(self._bucket >= 0)[0].tolist():
+        for slot in np.nonzero(self._bucket[:self._tomb_slot] >= 0)[0].tolist():
             key = self._key_at(slot)
             if key is not None and self.find(key) == slot:
                 yield key
@@ -145,12 +164,62 @@ class ReadyTable(Mapping[bytes, tuple[int, int]]):
         if i >= 0:
             self._delete(i)
 
+    def holding(self, slots: np.ndarray) -> np.ndarray:
+        """Which of ``slots`` hold a READY key (vectorized ``holds``)."""
+        return self._bucket[slots] >= 0
+
+    def drop_many(self, slots: np.ndarray) -> None:
+        """``slots`` (unique) hold no READY key of ours any more: vectorized, their buckets
+        become tombstones that probes pass over until ``purge`` empties them."""
+        buckets = self._bucket[slots]
+        held = buckets >= 0
+        if not held.any():
+            return
+        buckets = buckets[held]
+        self._hashes[buckets] = _TOMB
+        self._slots[buckets] = self._tomb_slot  # >= 0: a probe goes on past it
+        self._bucket[slots[held]] = _EMPTY
+        self._count -= len(buckets)
+        self.tombs += len(buckets)
+        if self.tombs >= len(self._hashes) // 4:
+            # Live keys fill at most half the buckets: with under a quarter tombstones an
+            # empty bucket always ends a probe. Rare (a quarter of the table evicted between
+            # two purges' worth of steps), so this one step pays for all of them.
+            self.purge(float("inf"))
+
+    def purge(self, deadline: float) -> None:
+        """Empty tombstones until ``deadline`` (``time.perf_counter``; a few whatever it is),
+        a window of buckets at a time, cyclically: a backward shift may move a tombstone into
+        a bucket already passed, and a later round finds it there."""
+        hashes, cap = self._hashes, len(self._hashes)
+        done = 0
+        while self.tombs:
+            lo = self._scan
+            found = np.nonzero(hashes[lo:lo + _PURGE_WINDOW] == _TOMB)[0]
+            # From the top down: a shift moves entries from higher buckets into the hole, so
+            # the tombstones still to do in this window stay where they were found.
+            for n, i in enumerate(found[::-1].tolist()):
+                if self._h[lo + i] == _TOMB:
+                    self._unlink(lo + i)
+                    self.tombs -= 1
+                    done += 1
+                if n % 16 == 15 and done >= _PURGE_AT_LEAST and perf_counter() >= deadline:
+                    return  # this window again next time: what is left in it is found again
+            self._scan = (lo + _PURGE_WINDOW) % cap
+            if done >= _PURGE_AT_LEAST and perf_counter() >= deadline:
+                return
+
     def _delete(self, i: int) -> None:
-        """Empty bucket ``i``; later entries of its probe run shift back so that every entry
-        stays reachable from its home bucket without tombstones."""
-        mask, hashes, slots, bucket = self._mask, self._h, self._s, self._b
-        bucket[slots[i]] = _EMPTY
+        """Empty bucket ``i`` of a live key (see ``_unlink``)."""
+        self._b[self._s[i]] = _EMPTY
         self._count -= 1
+        self._unlink(i)
+
+    def _unlink(self, i: int) -> None:
+        """Empty bucket ``i``; later entries of its probe run shift back so that every entry
+        stays reachable from its home bucket (a tombstone moves like an entry: nothing looks
+        for it)."""
+        mask, hashes, slots, bucket = self._mask, self._h, self._s, self._b
         j = i
         while True:
             j = (j + 1) & mask

@@ -120,6 +120,8 @@ class _View(Protocol):
 
     def slot_of(self, key: bytes) -> int | None: ...
 
+    def lags(self, slot: int) -> bool: ...
+
 
 class _Store:
     __slots__ = ("slot", "gen", "state")
@@ -215,14 +217,14 @@ class OwnStores:
 
     def settle(self, view: _View) -> None:
         """At a step's start, after the view's refresh: the COMMITTED keys the view now
-        answers for (READY, or gone from our slot). Not while the view lags the head it read
-        (a burst spread over steps, ``index_view.REFRESH_BUDGET_S``): the claims answered so
-        far may be in the part not applied yet, and would read as gone."""
-        if not view.caught_up:
-            return
-        keys = self._keys
+        answers for (READY, or gone from our slot). Not a key whose slot the view has not
+        applied up to the head it read (an addition waiting for the refresh's budget,
+        ``index_view.REFRESH_BUDGET_S``): its claim or commit may be what waits, and the key
+        would read as gone."""
+        keys, lags = self._keys, None if view.caught_up else view.lags
         for key in [k for k in self._committed
-                    if k in view.ready or view.slot_of(k) != keys[k].slot]:
+                    if (lags is None or not lags(keys[k].slot))
+                    and (k in view.ready or view.slot_of(k) != keys[k].slot)]:
             self._step(key, E.SETTLED, [])
 
     def done(self, key: bytes, success: bool) -> tuple[Action, tuple[int, int]] | None:

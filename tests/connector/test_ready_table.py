@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import tracemalloc
 
+import numpy as np
 import pytest
 from kvoffload.connector.ready_table import ReadyTable
 from kvoffload.daemon.store import shared_index as si
@@ -122,3 +123,39 @@ def test_keys_cost_no_python_objects() -> None:
     assert len(table) == n and all(table.find(k) == i for i, k in enumerate(keys))
     assert made - before >= table.nbytes()  # the arrays are what it holds ...
     assert after - made < 4096  # ... and the keys add nothing per key
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_many_drops_at_once_and_purges_keep_every_find_right(seed: int) -> None:
+    """``drop_many``'s tombstones, passed over by probes and emptied by ``purge`` a few at a
+    time (a deadline already past) or all at once when they would fill a quarter of the
+    buckets: finds match the model throughout, and the table never fills."""
+    rng = random.Random(seed)
+    slots = 24  # 64 buckets: 16 tombstones force a purge
+    model = _Model()
+    table = ReadyTable(slots, model.slot_key.get)
+    keys = [_key(i) for i in range(80)]
+    forced = 0
+    for _ in range(3000):
+        r = rng.random()
+        if r < 0.55:
+            slot, key = rng.randrange(slots), rng.choice(keys)
+            table.put(slot, key, 1, declined=False)
+            model.put(slot, key)
+        elif r < 0.8:
+            chosen = sorted(rng.sample(range(slots), rng.randrange(1, 12)))
+            before = table.tombs
+            table.drop_many(np.array(chosen, dtype=np.int64))
+            forced += table.tombs < before
+            for s in chosen:
+                model.drop(s)
+        else:
+            table.purge(0.0)
+        assert table.tombs < 16 and len(table) == len(model.key_slot)
+        for k in keys:
+            assert table.find(k) == model.key_slot.get(k, -1)
+        for s in range(slots):
+            assert table.holds(s) == (s in model.slot_key)
+    assert forced, "the forced purge was never reached"
+    table.purge(float("inf"))
+    assert table.tombs == 0 and not (table._hashes == -1).any()

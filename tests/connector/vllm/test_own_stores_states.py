@@ -108,6 +108,9 @@ def test_settle_leaves_a_key_still_pending_in_our_slot() -> None:
         def slot_of(self, key: bytes) -> int | None:
             return self._slot
 
+        def lags(self, slot: int) -> bool:
+            return False
+
     own = _at("committed")
     own.settle(View({}, SLOT))  # the commit is on its way: still ours
     assert own.hit(K)
