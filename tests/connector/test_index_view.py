@@ -286,7 +286,9 @@ def test_no_stale_ready_answer_under_a_writer_in_another_process(
         writer.wait(10)
 
 
-def test_own_committed_stores_are_not_settled_against_a_slot_that_waits(path: Path) -> None:
+def _own_claim_in_flight(path: Path) -> tuple[si.SharedIndexWriter, IndexView, OwnStores, bytes]:
+    """A view with no budget beyond its floor, and one own store claimed in slot 4000 (gen 3)
+    whose claim went out in Step 1."""
     w = si.SharedIndexWriter(path, 4096, "d1")
     view = IndexView(path, 0, "d1")
     view.budget_s = 0.0
@@ -294,6 +296,11 @@ def test_own_committed_stores_are_not_settled_against_a_slot_that_waits(path: Pa
     mine = _key(10_000)
     own.claimed([mine], [(4000, 3)])
     own.sent(1, [mine])
+    return w, view, own, mine
+
+
+def test_own_committed_stores_are_not_settled_against_a_slot_that_waits(path: Path) -> None:
+    w, view, own, mine = _own_claim_in_flight(path)
     for i in range(3 * LEAST):  # another engine's burst in our namespace ...
         w.write(i, 1, 0, si.READY, 0, _key(i))
     w.write(4000, 3, 0, si.PENDING, 0, mine)  # ... then the daemon applies our claim
@@ -319,13 +326,7 @@ def test_own_committed_stores_are_not_settled_against_a_slot_that_waits(path: Pa
 
 
 def test_a_commit_over_a_pending_key_may_wait_but_settles_once_ready(path: Path) -> None:
-    w = si.SharedIndexWriter(path, 4096, "d1")
-    view = IndexView(path, 0, "d1")
-    view.budget_s = 0.0
-    own = OwnStores(Counter())
-    mine = _key(10_000)
-    own.claimed([mine], [(4000, 3)])
-    own.sent(1, [mine])
+    w, view, own, mine = _own_claim_in_flight(path)
     w.write(4000, 3, 0, si.PENDING, 0, mine)
     own.answered(1, [], [])
     own.done(mine, True)
