@@ -1,13 +1,13 @@
 """The engine's read-only view of the daemon's shared index (``daemon/store/shared_index.py``).
 
-``IndexView`` maps the index file read-only and keeps, for one namespace, a local dict
-``key -> (slot, ident)`` of READY blocks plus the set of PENDING keys. ``refresh()`` applies what
-the daemon changed since the last call (one integer read when nothing did), vectorized: the
-changed entries are read in three gathers (sequence words, entries, sequence words again, with
-load-load fences between), torn ones retried, and other namespaces' entries cost one array
-probe each. Answering a key is then a dict lookup, with no message and no system call. The
-applied position is the epoch the manager reports to the daemon (``Step.epoch``), which is what
-lets the daemon reclaim a freed slot only once no engine can still act on its old contents.
+``IndexView`` maps the index file read-only and keeps, for one namespace, a compact table
+``key -> (slot, ident)`` of READY blocks (``ready_table.py``) plus the set of PENDING keys.
+``refresh()`` applies what the daemon changed since the last call (one integer read when nothing
+did), vectorized: the changed entries are read in three gathers (sequence words, entries,
+sequence words again, with load-load fences between), torn ones retried, and other namespaces'
+entries cost one array probe each. Answering a key is then a table probe, with no message and
+no system call. The applied position is the epoch the manager reports to the daemon
+(``Step.epoch``): the daemon reclaims a freed slot only once no engine can act on its old bytes.
 
 **A budget that never leaves a held key behind** (issue 24). Every refresh reads all ring
 records up to the head ``H`` it read and classifies their slots' current entries, vectorized:
