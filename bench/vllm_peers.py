@@ -61,9 +61,11 @@ def __getattr__(name: str) -> Any:
 
 
 def offload_engine(chunks: int, config: str = "chunk-lru", *,
-                   tiers: list[dict[str, Any]] | None = None, **engine: Any) -> Any:
+                   tiers: list[dict[str, Any]] | None = None, chunk_bytes: int = CHUNK_BYTES,
+                   **engine: Any) -> Any:
     """A ``MiniEngine`` on vLLM's own CPU offloading with ``chunks`` blocks of host memory in
     configuration ``config`` (``POLICY-EVICTION``); ``engine``: gpu_blocks, shape, extras.
+    ``chunk_bytes``: one of vLLM's chunks on this engine's geometry (a page padded to 4 KiB).
 
     ``tiers``: vLLM's ``TieringOffloadingSpec`` instead, the same CPU cache as its primary
     tier and these ``secondary_tiers`` below it (e.g. ``{"type": "fs", "root_dir": D}``).
@@ -82,13 +84,13 @@ def offload_engine(chunks: int, config: str = "chunk-lru", *,
         extra.update(spec_name=TIERING_SPEC, secondary_tiers=tiers)
     elif policy == "request":
         extra.update(spec_name=REQUEST_SPEC, spec_module_path="kvoffload.bench.vllm_peers")
-    e = vllm_cpu_engine(chunks * CHUNK_BYTES, **extra, **engine)
+    e = vllm_cpu_engine(chunks * chunk_bytes, **extra, **engine)
     manager = e.connector.connector_scheduler.manager
     got = (manager.primary_tier if tiers is not None else manager)._num_chunks
     if got != chunks:
         e.shutdown()
         raise AssertionError(f"vLLM's manager has {got} chunks, {chunks} asked for "
-                             "(its chunk is no longer one 4 KiB page here)")
+                             f"(its chunk is no longer {chunk_bytes} B here)")
     return e
 
 

@@ -98,22 +98,17 @@ def _engine(kind: str, slots: int, shape: Any, control: str | None,
             prompt_only: bool | None) -> Any:
     """``kind``: "ours", or "vllm:POLICY-EVICTION" (a ``vllm_peers.CONFIGS`` entry); "vllm" and
     "vllm_request" are its chunk-lru and request-lru."""
-    from kvoffload.bench.vllm_engine import plugin_engine, vllm_cpu_engine
+    from kvoffload.bench.vllm_engine import plugin_engine
 
     extra: dict[str, Any] = {} if prompt_only is None else {"offload_prompt_only": prompt_only}
     if kind.startswith("vllm"):
-        from kvoffload.bench.vllm_peers import CONFIGS, REQUEST_SPEC
+        from kvoffload.bench.vllm_peers import offload_engine
 
         config = {"vllm": "chunk-lru", "vllm_request": "request-lru"}.get(kind) \
             or kind.partition(":")[2]
-        if config not in CONFIGS:
-            raise ValueError(f"unknown vLLM configuration in {kind!r}: one of {CONFIGS}")
-        policy, eviction = config.split("-")
-        extra["eviction_policy"] = eviction
-        if policy == "request":  # vLLM's own manager with our store policy (REQUEST_LEVEL)
-            extra.update(spec_name=REQUEST_SPEC, spec_module_path="kvoffload.bench.vllm_peers")
         chunk = -(-shape.page // VLLM_CHUNK_ALIGN) * VLLM_CHUNK_ALIGN
-        return vllm_cpu_engine(slots * chunk, gpu_blocks=GPU_BLOCKS, shape=shape, **extra)
+        return offload_engine(slots, config, chunk_bytes=chunk, gpu_blocks=GPU_BLOCKS,
+                              shape=shape, **extra)
     assert control is not None
     return plugin_engine(control, gpu_blocks=GPU_BLOCKS, shape=shape, **extra)
 

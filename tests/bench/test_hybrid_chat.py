@@ -108,6 +108,7 @@ def test_each_vllm_variant_runs_its_configuration(kind: str) -> None:
     if reason is not None:
         pytest.skip(reason)
     from kvoffload.bench.suites.hybrid_chat import _engine, engine_shape
+    from vllm.v1.kv_offload.base import OffloadPolicy, ReqContext
     from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
     from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
@@ -116,10 +117,12 @@ def test_each_vllm_variant_runs_its_configuration(kind: str) -> None:
         manager = engine.connector.connector_scheduler.manager
         arc = kind.endswith("arc")
         assert type(manager._policy) is (ARCCachePolicy if arc else LRUCachePolicy)
-        request_level = "request" in kind
-        assert getattr(manager, "_request_level", False) is request_level
+        # The policy vLLM's connector reads per request: what on_new_request answers.
+        answer = manager.on_new_request(ReqContext(req_id="probe"))
+        assert answer.policy is (OffloadPolicy.REQUEST_LEVEL if "request" in kind
+                                 else OffloadPolicy.CHUNK_LEVEL)
         assert manager._num_chunks == 8
     finally:
         engine.shutdown()
-    with pytest.raises(ValueError, match="unknown vLLM configuration"):
+    with pytest.raises(ValueError, match="unknown vLLM offload configuration"):
         _engine("vllm:request-fifo", 8, engine_shape(), None, True)
