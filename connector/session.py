@@ -67,7 +67,7 @@ class IndexSession:
                  instance: str = "", curve: CurveClientKeys | None = None,
                  time_model: tuple[float, float] | None = None, sync_ms: int = 1,
                  data_parallel_rank: int | None = None, io_sched_batch: bool = False,
-                 reserve: int = 0, writer_lock: bool = True) -> None:
+                 reserve: int | Callable[[int], int] = 0, writer_lock: bool = True) -> None:
         self.endpoint = endpoint
         self.data_parallel_rank = data_parallel_rank  # sent on Register: the daemon's view
         self.sync_ms = sync_ms  # longest wait for our own writes' replies at a step's start
@@ -76,7 +76,9 @@ class IndexSession:
         self.retry_ms = retry_ms
         self.liveness_ns = liveness_ms * 1_000_000
         self.instance = instance
-        self.reserve = reserve  # slots asked for right after attaching (the attach thread)
+        # Slots asked for right after attaching (the attach thread), or a function of the
+        # pool's slot count that says how many.
+        self.reserve = reserve
         self.writer_lock = writer_lock  # our workers take the session's lock (worker.py)
         # Its own context (client.background_context: with io_sched_batch, the I/O thread a
         # Step's send wakes does not preempt the step).
@@ -160,8 +162,9 @@ class IndexSession:
             out.record = ReaderRecord(reg.readers_path, reg.reader_record)
             out.record.write(False, out.view.applied, 0)
             out.record.stamp()
-            if self.reserve:
-                out.replies = self._first_reservation(out.view.applied)
+            n = self.reserve(reg.num_slots) if callable(self.reserve) else self.reserve
+            if n:
+                out.replies = self._first_reservation(out.view.applied, n)
                 out.sent = 1
         except (DaemonUnavailable, p.ProtocolError, IndexGone, OSError, zmq.ZMQError) as exc:
             out.error = f"cannot attach: {exc}"
@@ -171,14 +174,14 @@ class IndexSession:
             out.view = out.record = None
         self._attached = out  # handed over under the GIL; picked up by the next step
 
-    def _first_reservation(self, epoch: int) -> list[p.StepReply]:
+    def _first_reservation(self, epoch: int, n: int) -> list[p.StepReply]:
         """One reservation, waited for here (the attach thread): stores have slots at once.
         The reply is handed to the manager with the step's other replies."""
         reg = self.client.registered
         assert reg is not None
         sock = self.client.socket()
         msg = p.Step(rid=self.client.rid(), engine=reg.engine, epoch=epoch,
-                     reserve=self.reserve)
+                     reserve=n)
         sock.send(p.encoder.encode(msg), zmq.NOBLOCK)
         out: list[p.StepReply] = []
         if sock.poll(self.timeout_ms):

@@ -87,7 +87,6 @@ class DaemonOffloadingManager(OffloadingManager):
                  settings: ManagerSettings) -> None:
         self.session, self.geometry, self.settings = session, geometry, settings
         session.on_lost = self._drop_daemon_state
-        session.reserve = settings.reserve  # the attach thread's first reservation
         self._block = {geometry.group_id(i): g.tokens_per_block * geometry.blocks_per_chunk
                        for i, g in enumerate(geometry.groups)}
         # Groups vLLM stores only from the core's copy-on-write hand-off (Mamba in align mode):
@@ -98,7 +97,8 @@ class DaemonOffloadingManager(OffloadingManager):
         self.counters: Counter[str] = Counter()
         self._step, self._busy, self._tiers = 0, False, False
         self._pool: PoolInfo | None = None
-        self.reservation = Reservation(settings.reserve)
+        self.reservation = Reservation(settings.reserve, len(geometry.groups))
+        session.reserve = self.reservation.first  # the attach thread's first reservation
         self._reserved = self.reservation.slots  # the same list (tests read its length)
         self.own = OwnStores(self.counters)  # our stores until the view shows them READY
         self._loads: dict[str, list[p.SlotRef]] = {}  # req -> pins of its load in flight

@@ -5,9 +5,16 @@ step's ``Step`` (``reserve``), never waited for. How many: what recent steps wan
 over -- the refill asked at a step's end normally arrives before the next step stores, and
 with twice the demand at hand one late reply still finds a whole step's worth. A prefill of
 8,192 tokens in 16-token blocks wants 512 slots per step, a decode step none: the size follows
-the demand of the last ``WINDOW`` steps (never under ``floor``, the operator's
-``kvoffload_store_reserve``) and what exceeds twice the target goes back to the pool, so an
-engine that stopped prefilling does not keep slots empty that other blocks could use.
+the demand of the last ``WINDOW`` steps (never under ``floor``: the operator's
+``kvoffload_store_reserve``, by default ``auto_floor`` of the pool) and what exceeds twice the
+target goes back to the pool, so an engine that stopped prefilling does not keep slots empty
+that other blocks could use.
+
+Every reserved slot is a slot the pool keeps no block in (the daemon counts reservations
+toward what it keeps empty ahead of stores, ``BlockIndex.keep_free``, but they are empty all
+the same): a fixed floor of 64 in a pool of 167 slots held 20 of them empty (the daemon's cap,
+an eighth) and cost 2-3 % of the tokens vLLM's own manager served in the same memory (issue
+24). So the default floor is a share of the pool, and demand above it is what sizes the rest.
 
 The daemon bounds what it grants (a fraction of the pool, the client's quota); a reply that
 grants less than asked says so (``short``), and the manager then knows a deferred store would
@@ -20,11 +27,23 @@ from collections import deque
 
 WINDOW = 64  # steps of demand remembered: a burst keeps its slots this long
 HEADROOM = 2  # target = HEADROOM x the peak demand: one late refill still covers a step
+DEFAULT_FLOOR = 64  # kvoffload_store_reserve's default in a pool of 4,096 slots or more ...
+POOL_SHARE = 64  # ... and 1/64 of the pool in a smaller one
+
+
+def auto_floor(num_slots: int, groups: int) -> int:
+    """The floor when the operator set none: ``DEFAULT_FLOOR``, at most 1/``POOL_SHARE`` of
+    the pool's slots, but never less than a step's one-off offers can need: ``HEADROOM``
+    keys per KV group (a finishing request's last block and state in each group, offered once
+    and never again, are dropped if they find no slots)."""
+    return max(HEADROOM * max(1, groups), min(DEFAULT_FLOOR, num_slots // POOL_SHARE))
 
 
 class Reservation:
-    def __init__(self, floor: int) -> None:
-        self.floor = floor
+    def __init__(self, floor: int | None, groups: int = 1) -> None:
+        self.auto = floor is None  # the operator set none: ``auto_floor`` of the pool
+        self.floor = DEFAULT_FLOOR if floor is None else floor
+        self.groups = groups  # KV groups a block stores a key in (auto_floor)
         self.slots: list[tuple[int, int]] = []  # (slot, generation), ours to claim
         self.asked = 0  # slots asked for whose reply is not in yet
         self._rids: dict[int, int] = {}  # rid -> slots that Step asked for
@@ -36,6 +55,14 @@ class Reservation:
 
     def __len__(self) -> int:
         return len(self.slots)
+
+    def first(self, num_slots: int) -> int:
+        """The first reservation's size in a pool of ``num_slots``, the floor from now on
+        (called by the session's attach thread, at each attach: a new daemon's pool may
+        differ)."""
+        if self.auto:
+            self.floor = auto_floor(num_slots, self.groups)
+        return self.floor
 
     def target(self) -> int:
         peak = max(self.demand, max(self._recent, default=0))

@@ -103,7 +103,9 @@ class ManagerSettings:
     sync_ms: int = 2  # longest wait at a step's start for this engine's own writes' replies
     policy: str = "request"  # vLLM offload policy: "request" (REQUEST_LEVEL) or "chunk"
     reset_scope: str = "own"  # what a connector cache reset drops in the daemon
-    reserve: int = 64  # empty slots kept at hand so prepare_store never waits
+    # Empty slots kept at hand so prepare_store never waits (the floor); None: a share of the
+    # pool (reservation.auto_floor).
+    reserve: int | None = None
     find_ttl_steps: int = 64  # a key no tier holds is asked again after this many steps
     # Longest a request is deferred on a key another engine is storing or a tier is finding:
     # a few steps of a busy engine, well under the lease a frozen writer holds its keys for.
@@ -133,6 +135,18 @@ def _time_model(extra: Mapping[str, Any]) -> tuple[float, float] | None:
     return (prefill, copy) if prefill else None
 
 
+def _reserve(extra: Mapping[str, Any]) -> int | None:
+    """``kvoffload_store_reserve``: a number of slots, or "auto" (the default)."""
+    raw = extra.get("kvoffload_store_reserve", "auto")
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return None
+    value: int = _setting(extra, "kvoffload_store_reserve", raw, int)
+    if value <= 0:  # 0 is not "auto": a reservation of nothing would defer every store
+        raise ValueError("kv_connector_extra_config['kvoffload_store_reserve'] must be "
+                         "positive or 'auto'")
+    return value
+
+
 def manager_settings(extra: Mapping[str, Any]) -> ManagerSettings:
     policy = str(extra.get("kvoffload_offload_policy", "request"))
     if policy not in ("request", "chunk"):
@@ -151,7 +165,7 @@ def manager_settings(extra: Mapping[str, Any]) -> ManagerSettings:
         liveness_ms=_setting(extra, "kvoffload_liveness_ms", 2000, int),
         sync_ms=_setting(extra, "kvoffload_sync_ms", 2, int),
         policy=policy, reset_scope=scope,
-        reserve=_setting(extra, "kvoffload_store_reserve", 64, int),
+        reserve=_reserve(extra),
         find_ttl_steps=_setting(extra, "kvoffload_find_ttl_steps", 64, int),
         pending_wait_ms=_setting(extra, "kvoffload_pending_wait_ms", 250, int),
         time_model=_time_model(extra),
@@ -162,8 +176,7 @@ def manager_settings(extra: Mapping[str, Any]) -> ManagerSettings:
         if value < 0:
             raise ValueError(f"kv_connector_extra_config[{key!r}] must be >= 0")
     for key, value in (("kvoffload_timeout_ms", settings.timeout_ms),
-                       ("kvoffload_liveness_ms", settings.liveness_ms),
-                       ("kvoffload_store_reserve", settings.reserve)):
+                       ("kvoffload_liveness_ms", settings.liveness_ms)):
         if value <= 0:
             raise ValueError(f"kv_connector_extra_config[{key!r}] must be positive")
     return settings

@@ -26,7 +26,7 @@ from kvoffload.daemon.store.eviction import EvictionPolicy, make_policy
 from kvoffload.daemon.store.pool import Pool
 from kvoffload.daemon.store.reclaim import Reclaimer, Writers
 from kvoffload.daemon.store.session_file import PreviousSessions
-from kvoffload.daemon.store.slot_arrays import SlotTable
+from kvoffload.daemon.store.slot_arrays import MIN_FREE, SlotTable
 from kvoffload.daemon.store.slot_states import (  # noqa: F401 - re-exported: callers use index.X
     _SHARED_STATE,
     Listener,
@@ -55,6 +55,9 @@ class BlockIndex(SlotTable):
         self.reclaimer = Reclaimer()
         self.owners: dict[str, int] = {}  # engine instance -> owner id (0: nobody known)
         self.previous: PreviousSessions | None = None  # a previous daemon's engine sessions
+        # A lower tier promotes into the pool (set by tiers/promote.py): keep_free then does
+        # not count engines' reservations, as promotions need slots that are free.
+        self.has_tiers = False
         self._hold_for_previous = False
         self._size(0)
 
@@ -189,12 +192,13 @@ class BlockIndex(SlotTable):
         so waiting until the pool is full would refuse the very request that evicted."""
         if not self.reclaimer.readers:
             return 0  # nobody reads in place: evicting on demand frees a slot at once
-        # Not less for engines' reservations: promotions from the tiers need free slots
-        # (counting reservations left 2 free and starved them: issue 25's below-memory run).
-        target = self.free_target
+        # Reservations are empty slots ahead of stores too (issue 24: 10 free on top of 20
+        # reserved of 167 served what vLLM serves with 137); MIN_FREE stay free or retiring
+        # whatever is reserved (test_stuck_readers). Not counted with a tier below: promotions
+        # need free slots (counting starved them: issue 25's below-memory run).
+        reserved = 0 if self.has_tiers else len(self.reserved_by)
         evicted = 0
-        while self.pool.free_slots + self.reclaimer.backlog < target \
-                and self.reclaimer.backlog < self.max_retired:
+        while self._short_of_empty(reserved) and self.reclaimer.backlog < self.max_retired:
             victims = self.policy.victims(1, self._evictable)
             if not victims:
                 break
@@ -206,6 +210,10 @@ class BlockIndex(SlotTable):
             self._forget(victim)
             evicted += 1
         return evicted
+
+    def _short_of_empty(self, reserved: int) -> bool:
+        empty = self.pool.free_slots + self.reclaimer.backlog
+        return empty < MIN_FREE or empty + reserved < self.free_target
 
     def reserve(self, holder: object, n: int) -> tuple[list[tuple[int, int]],
                                                        list[tuple[Namespace, bytes, int]]]:

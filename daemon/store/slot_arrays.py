@@ -32,7 +32,8 @@ class SlotTable:
         self.owner = array("H", bytes(2 * n))  # who stored the block (reset of one engine's)
         self.reserved_by: dict[int, object] = {}  # RESERVED slot -> holder (a client)
         self.max_retired = max(64, n // 8)
-        # Slots kept empty ahead of stores: free, retiring or in engines' reservations.
+        # Slots kept empty ahead of stores: free, retiring or in engines' reservations (these
+        # only without a tier below, and MIN_FREE of them free or retiring: index.keep_free).
         self.free_target = max(MIN_FREE, min(256, n // 16))
         # Kept on every transition so gauges and stats cost O(1), not a scan of the pool.
         self.n_ready = self.n_pending = self.n_pinned = 0

@@ -42,6 +42,7 @@ class Promoter:
         self.on_change = on_change  # pool gauges
         self._tasks: set[asyncio.Task[None]] = set()
         index.on_evict.append(self._evicted)
+        index.has_tiers = True  # promotions need free slots: evict-ahead keeps them so
 
     # -- down -------------------------------------------------------------------------
 

@@ -96,6 +96,18 @@ def test_bad_settings_are_refused() -> None:
                                                 kvoffload_prefill_tokens_per_s=10_000))
     with pytest.raises(ValueError, match="kvoffload_reset_daemon"):
         build_scheduler_connector(plugin_config("ipc:///nowhere", kvoffload_reset_daemon="all"))
+    for bad in (0, -4, "many"):
+        with pytest.raises(ValueError, match="kvoffload_store_reserve"):
+            build_scheduler_connector(plugin_config("ipc:///nowhere",
+                                                    kvoffload_store_reserve=bad))
+
+
+def test_the_store_reserve_is_a_number_or_auto() -> None:
+    from kvoffload.connector.vllm.settings import manager_settings
+
+    assert manager_settings({}).reserve is None  # auto: a share of the pool
+    assert manager_settings({"kvoffload_store_reserve": "AUTO"}).reserve is None
+    assert manager_settings({"kvoffload_store_reserve": "12"}).reserve == 12
 
 
 def test_time_model_reaches_the_daemon_and_declines_tails(daemon: DaemonHandle) -> None:
@@ -232,7 +244,7 @@ def test_stores_use_the_reservation_and_skip_stored_keys(daemon: DaemonHandle) -
 
     conn = build_scheduler_connector(plugin_config(daemon.control))
     manager = daemon_manager(conn)
-    assert len(manager._reserved) == manager.settings.reserve  # filled at start
+    assert len(manager._reserved) == manager.reservation.floor  # filled at start
     req = make_request(list(range(300, 330)), "store")
     conn.on_new_request(req)
     ctx = ReqContext(req_id="store")

@@ -4,7 +4,13 @@ slots next step."""
 
 from __future__ import annotations
 
-from kvoffload.connector.vllm.reservation import HEADROOM, WINDOW, Reservation
+from kvoffload.connector.vllm.reservation import (
+    DEFAULT_FLOOR,
+    HEADROOM,
+    WINDOW,
+    Reservation,
+    auto_floor,
+)
 
 
 def _grant(res: Reservation, rid: int, n: int, start: int = 0) -> None:
@@ -53,3 +59,17 @@ def test_a_short_answer_bounds_what_a_deferral_may_count_on() -> None:
     assert not res.covers(1)  # nothing is coming: store what fits instead
     res.clear()
     assert len(res) == 0 and res.asked == 0 and res.covers(4)
+
+
+def test_the_default_floor_is_a_share_of_the_pool_and_covers_one_off_offers() -> None:
+    """Issue 24: a floor of 64 slots in a 167-slot pool held 20 empty (the daemon's cap) and
+    served fewer tokens than vLLM's manager in the same memory."""
+    assert auto_floor(1 << 20, 1) == DEFAULT_FLOOR  # a real pool: the 64 of before
+    assert auto_floor(64 * 40, 1) == 40
+    assert auto_floor(167, 1) == HEADROOM  # a step's one-off offers still fit
+    assert auto_floor(167, 4) == HEADROOM * 4  # a key per group: a hybrid model's block
+    res = Reservation(None, groups=4)
+    assert res.first(167) == 8 and res.floor == 8 and res.end_step() == 8
+    assert res.first(1 << 20) == DEFAULT_FLOOR  # re-attached to a larger pool: follows it
+    fixed = Reservation(floor=5, groups=4)
+    assert fixed.first(1 << 20) == 5 and fixed.first(16) == 5  # the operator's, as set

@@ -236,8 +236,8 @@ def test_plugin_stores_what_its_quota_allows_and_counts_the_rest(tmp_path: Path)
     with run_daemon(tmp_path, env={"KVOFFLOAD_CLIENT_MAX_PENDING": "3"}) as d:
         conn = build_scheduler_connector(plugin_config(d.control))
         manager = daemon_manager(conn)
-        assert len(manager._reserved) == 3  # asked for its 64, granted its cap
-        assert refused(d, "quota_pending") == manager.settings.reserve - 3
+        assert len(manager._reserved) == 3  # asked for its floor, granted its cap
+        assert refused(d, "quota_pending") == manager.reservation.floor - 3
         req = make_request(list(range(900, 930)), "quota")
         conn.on_new_request(req)
         ctx = ReqContext(req_id="quota")

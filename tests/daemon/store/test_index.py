@@ -161,3 +161,62 @@ def test_arc_ghosts_remember_the_block_not_its_slot(tmp_path) -> None:
     assert key(2) not in ns.keys and slot_a2 != slot_a
     assert arc.is_frequent(slot_a2) and arc.target_t1 == 1
     pool.close(remove=True)
+
+
+def _readers_index(tmp_path, slots: int) -> tuple[Pool, BlockIndex]:
+    pool = Pool(str(tmp_path / "pool"), 64 * slots, prefault=False)
+    pool.open()
+    idx = BlockIndex(pool, "lru")
+    idx.configure(64)
+    idx.reclaimer.add_reader(b"engine", idx.epoch)  # an engine reads the index in place
+    return pool, idx
+
+
+def test_evict_ahead_counts_engines_reservations_as_empty_slots(tmp_path) -> None:
+    """Issue 24: slots an engine holds reserved are empty too; evicting ahead on top of them
+    left the pool holding fewer blocks than vLLM's own manager in the same memory."""
+    pool, idx = _readers_index(tmp_path, 128)
+    assert idx.free_target == 8
+    ns = idx.namespace(GEOM)
+    for i in range(118):
+        _store(idx, ns, key(i))
+    granted, evicted = idx.reserve("engine", 6)
+    assert len(granted) == 6 and not evicted and pool.free_slots == 4
+    assert idx.keep_free() == 0  # 4 free + 6 reserved: the target of 8 is met
+    assert idx.count(SlotState.READY) == 118
+    pool.close(remove=True)
+
+
+def test_evict_ahead_keeps_min_free_slots_free_whatever_is_reserved(tmp_path) -> None:
+    """However many slots engines hold reserved, MIN_FREE stay free or retiring: a client
+    without a reservation (or a refill while a reader is stuck) still finds one."""
+    from kvoffload.daemon.store.slot_arrays import MIN_FREE
+
+    pool, idx = _readers_index(tmp_path, 128)
+    ns = idx.namespace(GEOM)
+    for i in range(118):
+        _store(idx, ns, key(i))
+    granted, _ = idx.reserve("engine", 10)  # the 10 free slots, all of them
+    assert len(granted) == 10 and pool.free_slots == 0
+    assert idx.keep_free() == MIN_FREE  # evicted (retiring: a reader may see them)
+    assert pool.free_slots + idx.reclaimer.backlog == MIN_FREE
+    assert idx.count(SlotState.READY) == 118 - MIN_FREE
+    pool.close(remove=True)
+
+
+def test_with_a_tier_below_evict_ahead_keeps_slots_free_for_promotions(tmp_path) -> None:
+    """A tier's promotions need free slots, not an engine's reservation (issue 25's
+    below-memory run starved when reservations counted)."""
+    from kvoffload.daemon.ops.metrics import DaemonMetrics
+    from kvoffload.daemon.tiers.promote import Promoter
+
+    pool, idx = _readers_index(tmp_path, 128)
+    Promoter(idx, [], DaemonMetrics())
+    assert idx.has_tiers
+    ns = idx.namespace(GEOM)
+    for i in range(118):
+        _store(idx, ns, key(i))
+    idx.reserve("engine", 6)
+    assert idx.keep_free() == 4  # 4 free + 4 retiring: the target of 8, reservation aside
+    assert idx.count(SlotState.READY) == 114
+    pool.close(remove=True)
