@@ -5,9 +5,11 @@
 ``refresh()`` applies what the daemon changed since the last call (one integer read when nothing
 did), vectorized: the changed entries are read in three gathers (sequence words, entries,
 sequence words again, with load-load fences between), torn ones retried, and other namespaces'
-entries cost one array probe each. Answering a key is then a table probe, with no message and
-no system call. The applied position is the epoch the manager reports to the daemon
-(``Step.epoch``): the daemon reclaims a freed slot only once no engine can act on its old bytes.
+entries cost one array probe each; entries that only make a key of ours READY go to the table
+as one batch (``view_rows.py``, ``ReadyTable.put_many``). Answering a key is then a table
+probe, with no message and no system call. The applied position is the epoch the manager
+reports to the daemon (``Step.epoch``): the daemon reclaims a freed slot only once no engine
+can act on its old bytes.
 
 **A budget that never leaves a held key behind** (issue 24). Every refresh reads all ring
 records up to the head ``H`` it read and classifies their slots' current entries, vectorized:
@@ -39,121 +41,45 @@ write's record lies at or after ``H`` (its ring record follows the entry), so th
 refresh reads it; one that followed a retirement we have read is a reuse of the slot, which
 our busy record at an older epoch prevents (docs/architecture.md, "Invariants").
 
-``SlotGenerations`` is the worker's part: it reads slots' ident words (generation and key tag,
-one aligned 8-byte load each) to prove, after a copy, that no slot was handed to another writer
-while it was being read.
+The mapping itself, and ``SlotGenerations`` (the worker's part: slots' ident words after a
+copy), are ``index_map.py``'s; both names are imported from here too.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
 import time
+from itertools import compress, repeat
+from operator import eq
 from pathlib import Path
 
 import numpy as np
+from kvoffload.connector import view_rows
+from kvoffload.connector.index_map import ENTRY_DTYPE, IndexGone, Mapped, SlotGenerations
 from kvoffload.connector.ready_table import ReadyTable
 from kvoffload.connector.view_backlog import Backlog
 from kvoffload.daemon.store import fence
 from kvoffload.daemon.store import shared_index as si
 
-_ENTRY_DTYPE = np.dtype([("seq", "<u4"), ("ns", "<u2"), ("state", "u1"), ("flags", "u1"),
-                         ("ident", "<u8"), ("keylen", "u1"), ("pad", "V7"), ("key", "V40")])
-assert _ENTRY_DTYPE.itemsize == si.ENTRY_BYTES
-_MASK = np.uint64(si.GEN_MASK)
+__all__ = ["IndexGone", "IndexView", "SlotGenerations"]  # the two from index_map too
+
 _RETRIES = 4
-_HALF = np.uint64(32)
 # A refresh reads every ring record since the last one and applies at once everything that
 # changes what the view holds; additions of keys it does not hold yet get this budget (past
-# REFRESH_AT_LEAST of them), in chunks of REFRESH_CHUNK slots; the rest waits for the next
-# steps. 0.5 ms: with the classification of a 10,000-record burst (~0.3 ms), the longest
-# refresh measured ~1 ms on 2 loaded cores (issue 24).
+# REFRESH_AT_LEAST of them), in chunks of REFRESH_CHUNK slots, a chunk only while it would end
+# by the deadline as the last one took; the rest waits for the next steps. 0.5 ms: with the
+# classification of a 10,000-record burst (~0.4 ms), the longest refresh measured ~0.7-1.2 ms
+# on 2 loaded cores (issue 24). 256 slots: a chunk's numpy calls cost ~0.1 ms whatever its
+# size, and its additions ~0.5 µs a key (a commit over a PENDING key ~1 µs: the dicts).
 REFRESH_BUDGET_S = 0.0005
-REFRESH_CHUNK = 64
+REFRESH_CHUNK = 256
 # Additions applied in every refresh whatever the budget: a step's own few (another engine's
 # commits of a request or two) never wait, so a loaded host's slow refresh does not turn them
-# into misses; only a burst beyond this is spread over steps.
+# into misses; only a burst beyond this is spread over steps. ~0.2-0.35 ms for 256, as one
+# batch (``_plain``), from the entries ``_take`` read when nothing older waits.
 REFRESH_AT_LEAST = 256
 
 
-class IndexGone(RuntimeError):
-    """The index file is not (or no longer) the live daemon's."""
-
-
-class _Mapped:
-    def __init__(self, path: str | Path, daemon_id: str | None) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            size = os.fstat(fd).st_size
-            if size < si.HEADER_BYTES:
-                raise IndexGone(f"{path} is not a kvoffload index")
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        magic, version, _flags, self.num_slots, self.ring_capacity, _head, _hb, did = \
-            si.HEADER.unpack_from(self.mm, 0)
-        if magic != si.MAGIC or version != si.VERSION:
-            raise IndexGone(f"{path}: unknown index format")
-        self.daemon_id = did.rstrip(b"\0").decode()
-        if daemon_id is not None and self.daemon_id != daemon_id:
-            raise IndexGone(f"{path} belongs to daemon {self.daemon_id}, not {daemon_id}")
-        self.ring_off = si.HEADER_BYTES + self.num_slots * si.ENTRY_BYTES
-        if size < self.ring_off + 4 * self.ring_capacity:
-            raise IndexGone(f"{path} is truncated")
-
-    def _table(self) -> np.ndarray:
-        """The slot table as a structured array over the mapping (no copy): callers drop it
-        before returning, since ``close()`` unmaps."""
-        return np.frombuffer(self.mm, dtype=_ENTRY_DTYPE, count=self.num_slots,
-                             offset=si.HEADER_BYTES)
-
-    def superseded(self) -> bool:
-        return bool(si.SEQ.unpack_from(self.mm, si.FLAGS_OFFSET)[0] & si.FLAG_SUPERSEDED)
-
-    def head(self) -> int:
-        return si.U64.unpack_from(self.mm, si.HEAD_OFFSET)[0]
-
-    def heartbeat_ns(self) -> int:
-        return si.U64.unpack_from(self.mm, si.HEARTBEAT_OFFSET)[0]
-
-    def close(self) -> None:
-        self.mm.close()
-
-
-class SlotGenerations(_Mapped):
-    """A worker's check that slots still belong to the writer (and key) it copied for."""
-
-    def intact(self, slot: int, ident: int, *, key_bound: bool = True) -> bool:
-        return bool(self.intact_mask(np.array([slot]), np.array([ident], dtype=np.uint64),
-                                     key_bound=key_bound)[0])
-
-    def intact_mask(self, slots: np.ndarray, idents: np.ndarray, *,
-                    key_bound: bool = True) -> np.ndarray:
-        """Which slots still hold ``idents``: the whole ident word (generation and key tag,
-        ``key_bound``: loads) or its generation half (stores: the key may not be claimed yet).
-
-        One aligned 8-byte load per slot (numpy's gather of an aligned u8 column): a torn
-        (key, generation) pair cannot be read. The load-load fence first: the copy's reads of
-        the pool are ordered before these (``fence.py``)."""
-        fence.load_load()
-        slots = np.asarray(slots, dtype=np.int64)
-        ok = (slots >= 0) & (slots < self.num_slots)
-        if self.superseded() or not ok.any():
-            return np.zeros(len(slots), dtype=bool)
-        table = self._table()
-        current = table["ident"][np.where(ok, slots, 0)]
-        del table  # no view may outlive the call: close() unmaps
-        want = np.asarray(idents).astype(np.uint64, copy=False)
-        if key_bound:
-            # An ident without a key tag (a caller that knows only the generation: tests and
-            # benches that drive the worker directly) checks the generation half.
-            current = np.where(want >> _HALF != 0, current, current & _MASK)
-        else:
-            current, want = current & _MASK, want & _MASK
-        return ok & (current == want)
-
-
-class IndexView(_Mapped):
+class IndexView(Mapped):
     """One namespace's blocks, as the daemon last published them."""
 
     def __init__(self, path: str | Path, namespace: int, daemon_id: str | None = None) -> None:
@@ -190,7 +116,7 @@ class IndexView(_Mapped):
         seq = table["seq"][slots]
         fence.load_load()  # the sequence words before the fields ...
         # Whole entries as bytes (one memcpy of 64 B each: ~20x a structured gather).
-        rows = np.take(raw, slots, axis=0).view(_ENTRY_DTYPE).reshape(-1)
+        rows = np.take(raw, slots, axis=0).view(ENTRY_DTYPE).reshape(-1)
         fence.load_load()  # ... and the fields before the second read of the words
         again = table["seq"][slots]
         del table, raw
@@ -260,20 +186,26 @@ class IndexView(_Mapped):
         mine = rows[ours]
         if not len(mine):
             return
-        width = mine.dtype["key"].itemsize
-        raw = mine["key"].tobytes()
         mine_slots = slots[ours]
-        # One pass, no call per entry but the table's (the cost of a burst in our own
-        # namespace). A key lives in one slot: READY here drops it from PENDING anywhere, and
-        # PENDING here drops it from READY anywhere.
+        keys = view_rows.keys_of(mine)
+        hashes = view_rows.hashes_of(keys)
+        plain = self._plain(mine_slots, mine["state"], keys, hashes)
+        if plain.any():  # at once (a burst's commits): no call per key
+            self.ready.put_many(mine_slots[plain], hashes[plain], mine["ident"][plain],
+                                mine["flags"][plain] & si.FLAG_NOT_WORTH != 0)
+            rest = ~plain
+            mine, mine_slots = mine[rest], mine_slots[rest]
+            keys = list(compress(keys, rest.tolist()))
+        # The rest in one pass, in order, no call per entry but the table's. A key lives in
+        # one slot: READY here drops it from PENDING anywhere, and PENDING here drops it from
+        # READY anywhere.
         ready, pending, pm = self.ready, self.pending, self._pm
         pending_slot, slot_pending = self._pending_slot, self._slot_pending
         put, drop, find, unpend = ready.put, ready.drop, ready.find, self._unpend
         ready_state, no_worth = si.READY, si.FLAG_NOT_WORTH
-        for i, (slot, ident, state, flags, n) in enumerate(zip(
-                mine_slots.tolist(), mine["ident"].tolist(), mine["state"].tolist(),
-                mine["flags"].tolist(), mine["keylen"].tolist(), strict=True)):
-            key = raw[i * width:i * width + n]
+        for slot, key, ident, state, flags in zip(
+                mine_slots.tolist(), keys, mine["ident"].tolist(), mine["state"].tolist(),
+                mine["flags"].tolist(), strict=True):
             old = slot_pending.get(slot)
             if old is not None and old != key:
                 if pending_slot.get(old) == slot:
@@ -296,39 +228,91 @@ class IndexView(_Mapped):
                 pm[slot] = True
                 pending_slot[key] = slot
                 pending.add(key)
-        self._mine[mine_slots] = True
+        self._mine[slots[ours]] = True
+
+    def _plain(self, slots: np.ndarray, states: np.ndarray, keys: list[bytes],
+               hashes: np.ndarray) -> np.ndarray:
+        """Which entries only make their key READY in their slot: a key no other entry here
+        has (nor its hash), pending nowhere, in a slot holding no PENDING key -- or the
+        commit of the PENDING key its slot holds (unpended here). What they change is their
+        own slot's and key's alone, so they commute with the other entries': the table puts
+        them at once (``ReadyTable.put_many``), and the loop applies the rest in order."""
+        plain = (states == si.READY) & view_rows.alone(hashes)
+        if not (self._slot_pending or self._pending_slot) or not plain.any():
+            return plain
+        pending_slot, slot_pending = self._pending_slot, self._slot_pending
+        held = self._pmask[slots]
+        if pending_slot:
+            unheld = np.nonzero(plain & ~held)[0].tolist()
+            plain[unheld] = [keys[i] not in pending_slot for i in unheld]
+        at = np.nonzero(plain & held)[0]
+        if len(at):
+            # Commits: ``_unpend`` of each, in C loops (``map``): both dict entries popped,
+            # and put back where they were not this key's in this slot (the loop's case).
+            ks = keys if len(at) == len(keys) else [keys[i] for i in at.tolist()]
+            ss = slots[at].tolist()
+            n, none = len(ss), repeat(None)
+            was_slot = list(map(pending_slot.pop, ks, none))
+            was_key = list(map(slot_pending.pop, ss, none))
+            ok = np.fromiter(map(eq, was_slot, ss), dtype=np.bool_, count=n)
+            ok &= np.fromiter(map(eq, was_key, ks), dtype=np.bool_, count=n)
+            if not ok.all():
+                for i in np.flatnonzero(~ok).tolist():
+                    slot, key = was_slot[i], was_key[i]
+                    if slot is not None:
+                        pending_slot[ks[i]] = slot
+                    if key is not None:
+                        slot_pending[ss[i]] = key
+                plain[at[~ok]] = False
+                at, ks = at[ok], list(compress(ks, ok))
+            self.pending.difference_update(ks)
+            self._pmask[slots[at]] = False
+        return plain
 
     # -- what may wait --------------------------------------------------------------------
 
-    def _take(self, slots: np.ndarray) -> None:
+    def _take(self, slots: np.ndarray) -> int:
         """Apply the ring's changed ``slots`` (unique) now, except what only adds a key: an
         entry of ours in a slot that holds no READY key here and no PENDING one (or holds a
         PENDING one and is READY now) goes to the backlog. So nothing the view answers READY
         is ever left behind its entry: every removal, reassignment, move out of a slot and
-        change of flags is applied in the step that reads it (the argument: module top)."""
+        change of flags is applied in the step that reads it (the argument: module top).
+
+        When nothing older waits, the first ``REFRESH_AT_LEAST`` additions -- what the drain
+        would take first -- are applied from the entries read here, not read again. Returns
+        how many additions that was."""
         slots, rows, torn = self._consistent(slots)
         self.backlog.add(torn)
         ours = self._ours(rows)
         wait = ours & ~self.ready.holding(slots) \
             & (~self._pmask[slots] | (rows["state"] == si.READY))
+        added = 0
         if wait.any():
+            if not self.backlog:
+                later = np.flatnonzero(wait)[REFRESH_AT_LEAST:]
+                added = int(np.count_nonzero(wait)) - len(later)
+                wait = np.zeros_like(wait)
+                wait[later] = True
             self.backlog.add(slots[wait])
             now = ~wait
             slots, rows, ours = slots[now], rows[now], ours[now]
         self._apply_rows(slots, rows, ours)
+        return added
 
-    def _drain(self, deadline: float) -> None:
-        """Apply waiting slots' *current* entries, a chunk at a time until ``deadline``
-        (``REFRESH_AT_LEAST`` whatever it is), at most those that waited when it started (one
-        read mid-write goes back, to the end)."""
-        todo, done = len(self.backlog), 0
+    def _drain(self, deadline: float, least: int) -> None:
+        """Apply waiting slots' *current* entries, a chunk at a time while the next one would
+        end by ``deadline`` as the last one took (``least`` of them whatever it is), at most
+        those that waited when it started (one read mid-write goes back, to the end)."""
+        todo, done, last = len(self.backlog), 0, 0.0
         while todo > 0 and self.backlog:
+            if done >= least and time.perf_counter() + last >= deadline:
+                break
             chunk = self.backlog.take(REFRESH_CHUNK)
             todo -= len(chunk)
             done += len(chunk)
+            start = time.perf_counter()
             self._apply(chunk)
-            if done >= REFRESH_AT_LEAST and time.perf_counter() >= deadline:
-                break
+            last = time.perf_counter() - start
 
     def lags(self, slot: int) -> bool:
         """The view may not show ``slot``'s entry as of the head it read yet (it waits in the
@@ -376,7 +360,7 @@ class IndexView(_Mapped):
 
     def refresh(self) -> int:
         """Apply the daemon's changes since the last call: all of them but additions of keys,
-        which get ``budget_s`` (at least one chunk; the rest waits for the next calls).
+        which get ``budget_s`` (past ``REFRESH_AT_LEAST``; the rest waits for the next calls).
         Returns how many ring records were read (the epoch moved by that much)."""
         head = self.head()
         self.seen = head
@@ -389,6 +373,7 @@ class IndexView(_Mapped):
             return head - start
         fence.load_load()  # the head before the ring records and entries it covers
         deadline = time.perf_counter() + self.budget_s
+        added = 0
         if head != start:
             ring = np.frombuffer(self.mm, dtype="<u4", count=cap, offset=self.ring_off)
             lo, hi = start % cap, head % cap
@@ -405,9 +390,9 @@ class IndexView(_Mapped):
             slots = np.sort(slots)
             if len(slots) > 1:
                 slots = slots[np.concatenate(([True], slots[1:] != slots[:-1]))]
-            self._take(slots[slots < self.num_slots].astype(np.int64))
+            added = self._take(slots[slots < self.num_slots].astype(np.int64))
             self.applied = head
-        self._drain(deadline)
+        self._drain(deadline, REFRESH_AT_LEAST - added)
         if self.ready.tombs:
             self.ready.purge(deadline)
         self._owed = bool(self.backlog or self.ready.tombs)

@@ -9,6 +9,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from kvoffload.connector import ready_table
 from kvoffload.connector.ready_table import ReadyTable
 from kvoffload.daemon.store import shared_index as si
 
@@ -159,3 +160,80 @@ def test_many_drops_at_once_and_purges_keep_every_find_right(seed: int) -> None:
     assert forced, "the forced purge was never reached"
     table.purge(float("inf"))
     assert table.tombs == 0 and not (table._hashes == -1).any()
+
+
+@pytest.mark.parametrize("rounds", (1, 2, 4))
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_puts_match_a_dict_among_puts_drops_and_purges(
+        seed: int, rounds: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``put_many`` (lockstep probes for ``rounds`` buckets, then one key at a time) in
+    random mixes with ``put``, ``drop``, ``drop_many`` and ``purge``: batches of keys new,
+    held elsewhere (moves), held by their own slot already, over slots holding another key,
+    sharing home buckets, in runs that wrap around the table's end and pass tombstones."""
+    monkeypatch.setattr(ready_table, "_VECTOR_ROUNDS", rounds)
+    rng = random.Random(seed)
+    slots = 24  # 64 buckets, 80 keys: homes shared, probe runs past ``rounds``
+    model = _Model()
+    table = ReadyTable(slots, model.slot_key.get)
+    keys = [_key(i) for i in range(80)]
+    gens = [0] * slots
+    batches = 0
+    for _ in range(2500):
+        r = rng.random()
+        if r < 0.35:
+            chosen = rng.sample(range(slots), rng.randrange(1, slots + 1))
+            picked = rng.sample(keys, len(chosen))
+            new_gens = [rng.randrange(1 << 32) | rng.randrange(1 << 32) << 32 for _ in chosen]
+            flags = [rng.random() < 0.2 for _ in chosen]
+            table.put_many(np.array(chosen, dtype=np.int64),
+                           np.array([hash(k) for k in picked], dtype=np.int64),
+                           np.array(new_gens, dtype=np.uint64), np.array(flags))
+            for s, k, g, f in zip(chosen, picked, new_gens, flags, strict=True):
+                model.put(s, k)
+                gens[s] = g & si.GEN_MASK
+                assert table.declined(s) == f
+            batches += 1
+        elif r < 0.55:
+            slot, key = rng.randrange(slots), rng.choice(keys)
+            gens[slot] = rng.randrange(1 << 32)
+            table.put(slot, key, gens[slot], declined=False)
+            model.put(slot, key)
+        elif r < 0.7:
+            slot = rng.randrange(slots)
+            table.drop(slot)
+            model.drop(slot)
+        elif r < 0.9:
+            chosen = sorted(rng.sample(range(slots), rng.randrange(1, 12)))
+            table.drop_many(np.array(chosen, dtype=np.int64))
+            for s in chosen:
+                model.drop(s)
+        else:
+            table.purge(0.0)
+        assert len(table) == len(model.key_slot) and table.tombs < 16
+        for k in keys:
+            want = model.key_slot.get(k, -1)
+            assert table.find(k) == want
+            if want >= 0:
+                assert table.get(k) == (want, si.ident(gens[want], k))
+        for s in range(slots):
+            assert table.holds(s) == (s in model.slot_key)
+    assert batches
+    table.purge(float("inf"))
+    assert table.tombs == 0 and dict(table) == {k: table[k] for k in model.key_slot}
+    _check_layout(table)
+
+
+def _check_layout(table: ReadyTable) -> None:
+    """Every live bucket is reachable from its key's home without an empty bucket between,
+    and the slot -> bucket index is its exact inverse."""
+    mask, slots_at, hashes_at = table._mask, table._slots, table._hashes
+    live = np.nonzero(slots_at >= 0)[0].tolist()
+    for i in live:
+        j = int(hashes_at[i]) & mask
+        while j != i:
+            assert slots_at[j] >= 0, (i, j)
+            j = (j + 1) & mask
+        if slots_at[i] != table._tomb_slot:
+            assert table._bucket[slots_at[i]] == i
+    held = np.nonzero(table._bucket[:table._tomb_slot] >= 0)[0]
+    assert sorted(slots_at[table._bucket[held]].tolist()) == held.tolist()
