@@ -13,7 +13,9 @@ conversations over shared system prompts, chunked prefill of ``CHUNK`` tokens):
   copies; every scheduler-side decision is vLLM's own), the same number of host blocks.
 
 The two step alternately (which one goes first alternates too), so both see the same machine
-load; the first ``WARMUP`` steps fill the engines and are not counted.
+load; the first ``WARMUP`` steps fill the engines and are not counted. ``busy=N``: N other
+pairs of engines (``bench/busy_engines.py``, one OS process each, ours on the same daemon and
+namespace) serve their own chats meanwhile, waiting a simulated GPU step between steps.
 """
 
 from __future__ import annotations
@@ -52,6 +54,32 @@ def geometry(kind: str) -> tuple[Any, int, int]:
     raise ValueError(f"geometry is 'hybrid' or 'attention', not {kind!r}")
 
 
+def engines(kind: str, control: str, extra: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """(ours, vLLM's) ``MiniEngine`` of geometry ``kind``: ours on the daemon at ``control``,
+    vLLM's ``CPUOffloadingSpec`` with the same number of host blocks. The caller shuts both."""
+    from kvoffload.bench.vllm_engine import MiniEngine
+
+    shape, gpu_blocks, host_blocks = geometry(kind)
+    ours = MiniEngine({"spec_name": "KVOffloadSpec",
+                       "spec_module_path": "kvoffload.connector.vllm",
+                       "kvoffload_control": control, "kvoffload_copy_async": False,
+                       **(extra or {})},
+                      connector="KVOffloadConnector",
+                      connector_module="kvoffload.connector.vllm", num_blocks=gpu_blocks,
+                      shape=shape, max_batched_tokens=CHUNK)
+    # vLLM's CPU spec holds one group block per chunk, padded to 4 KiB: the same count.
+    chunk = -(-shape.page // 4096) * 4096
+    try:
+        theirs = MiniEngine({"spec_name": "CPUOffloadingSpec",
+                             "cpu_bytes_to_use": host_blocks * (1 + shape.mamba_groups) * chunk},
+                            real_worker=False, num_blocks=gpu_blocks, shape=shape,
+                            max_batched_tokens=CHUNK)
+    except BaseException:
+        ours.shutdown()
+        raise
+    return ours, theirs
+
+
 def _fill(control: str, geometry: Any, count: int, seed: int) -> None:
     """``count`` ready blocks nobody asks for, stored by another client (resident load)."""
     from kvoffload.connector.client import DaemonClient
@@ -76,35 +104,33 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 
 def run_whole_step(kind: str, steps: int, *, seed: int = 0, resident: int = 0,
-                   extra: dict[str, Any] | None = None,
+                   extra: dict[str, Any] | None = None, busy: int = 0,
+                   busy_in_flight: int = IN_FLIGHT // 2, gpu_ms: float = 20.0,
                    say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
-    """Per-step scheduler times of ours and vLLM's over ``steps`` interleaved steps each."""
-    from kvoffload.bench.vllm_engine import MiniEngine
+    """Per-step scheduler times of ours and vLLM's over ``steps`` interleaved steps each;
+    ``busy`` other engine pairs (``busy_in_flight`` requests each, a ``gpu_ms`` model step)
+    stepping on the machine meanwhile, their ours on the same daemon."""
+    from kvoffload.bench.busy_engines import busy_engines
 
     shape, gpu_blocks, host_blocks = geometry(kind)
     groups = 1 + shape.mamba_groups
-    slots = host_blocks * groups + resident
+    # Room for every ours engine's host blocks: the background ones do not shrink the pool.
+    slots = host_blocks * groups * (1 + busy) + resident
+    background: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         _proc, ready = stack.enter_context(daemon_process(
             "--lease-ms", "600000", pool_bytes=slots * shape.page, slot_bytes=shape.page))
-        ours = MiniEngine({"spec_name": "KVOffloadSpec",
-                           "spec_module_path": "kvoffload.connector.vllm",
-                           "kvoffload_control": ready["control"], "kvoffload_copy_async": False,
-                           **(extra or {})},
-                          connector="KVOffloadConnector",
-                          connector_module="kvoffload.connector.vllm", num_blocks=gpu_blocks,
-                          shape=shape, max_batched_tokens=CHUNK)
+        ours, theirs = engines(kind, ready["control"], extra)
         stack.callback(ours.shutdown)
+        stack.callback(theirs.shutdown)
         if resident:
             say(f"{kind}: {resident:,} resident blocks")
             _fill(ready["control"], ours.connector.scheduler.manager.geometry, resident, seed)
-        # vLLM's CPU spec holds one group block per chunk, padded to 4 KiB: the same count.
-        chunk = -(-shape.page // 4096) * 4096
-        theirs = MiniEngine({"spec_name": "CPUOffloadingSpec",
-                             "cpu_bytes_to_use": host_blocks * groups * chunk},
-                            real_worker=False, num_blocks=gpu_blocks, shape=shape,
-                            max_batched_tokens=CHUNK)
-        stack.callback(theirs.shutdown)
+        if busy:
+            say(f"{kind}: starting {busy} busy engine pairs")
+            others = stack.enter_context(busy_engines(
+                busy, kind=kind, control=ready["control"], seed=seed, in_flight=busy_in_flight,
+                gpu_ms=gpu_ms, extra=extra))
         drivers = {"ours": Inflight(ours, ChatMix(seed), IN_FLIGHT, verify=True),
                    "vllm": Inflight(theirs, ChatMix(seed), IN_FLIGHT, verify=False)}
         for i in range(WARMUP + steps):
@@ -113,14 +139,36 @@ def run_whole_step(kind: str, steps: int, *, seed: int = 0, resident: int = 0,
             order = ("ours", "vllm") if i % 2 else ("vllm", "ours")
             for name in order:
                 drivers[name].step()
-        out: dict[str, Any] = {"kind": kind, "steps": steps, "in_flight": IN_FLIGHT,
-                               "chunk_tokens": CHUNK, "resident_blocks": resident,
-                               "gpu_blocks_per_group": gpu_blocks, "host_blocks": host_blocks}
-        for name, d in drivers.items():
-            out[name] = {**_stats(d.step_seconds[WARMUP:]), **d.result()}
-        out["ours"]["manager"] = dict(ours.connector.scheduler.manager.counters)
-        out["ours"]["session"] = dict(ours.connector.scheduler.manager.session.counters)
+        daemon = _daemon_stats(ready["control"])
+        if busy:
+            background = others.stop()  # each one's own count of what it did
+    out: dict[str, Any] = {"kind": kind, "steps": steps, "in_flight": IN_FLIGHT,
+                           "chunk_tokens": CHUNK, "resident_blocks": resident,
+                           "gpu_blocks_per_group": gpu_blocks, "host_blocks": host_blocks,
+                           "busy": busy, "daemon": daemon}
+    for name, d in drivers.items():
+        out[name] = {**_stats(d.step_seconds[WARMUP:]), **d.result()}
+    out["ours"]["manager"] = dict(ours.connector.scheduler.manager.counters)
+    out["ours"]["session"] = dict(ours.connector.scheduler.manager.session.counters)
+    if busy:
+        out["busy_in_flight"], out["gpu_ms"], out["background"] = (busy_in_flight, gpu_ms,
+                                                                   background)
+        out["background_steps"] = [b["steps"] for b in background]
+        out["background_ours_stores"] = [b["ours"]["stores_offered"] for b in background]
     p50 = out["ours"]["p50_us"] / max(1e-9, out["vllm"]["p50_us"])
     p99 = out["ours"]["p99_us"] / max(1e-9, out["vllm"]["p99_us"])
     out["ratio"], out["p99_ratio"] = round(p50, 3), round(p99, 3)
     return out
+
+
+def _daemon_stats(control: str) -> dict[str, Any]:
+    """What the daemon holds: namespaces (1 when every engine shares the geometry), clients,
+    ready blocks."""
+    from kvoffload.connector.client import DaemonClient
+
+    client = DaemonClient(control, timeout_ms=30_000, name="bench stats")
+    try:
+        stats = client.stats()
+    finally:
+        client.close()
+    return {k: stats.get(k) for k in ("namespaces", "clients", "ready", "pending", "num_slots")}

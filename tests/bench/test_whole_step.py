@@ -30,3 +30,55 @@ def test_an_unknown_geometry_is_refused() -> None:
 
     with pytest.raises(ValueError, match="'hybrid' or 'attention'"):
         geometry("mla")
+
+
+def test_busy_engines_step_store_into_the_shared_daemon_and_are_gone_after() -> None:
+    import os
+
+    from kvoffload.bench.whole_step import run_whole_step
+
+    out = run_whole_step("attention", 30, seed=3, busy=1, gpu_ms=5.0)
+    assert out["busy"] == 1 and len(out["background"]) == 1
+    (bg,) = out["background"]
+    # The background pair really served its chat, and its ours engine stored into the daemon.
+    assert bg["steps"] > 0 and bg["ours"]["steps"] == bg["vllm"]["steps"] == bg["steps"]
+    assert bg["ours"]["stores_offered"] > 0 and bg["ours"]["stores_committed"] > 0
+    assert out["background_steps"] == [bg["steps"]]
+    assert out["background_ours_stores"] == [bg["ours"]["stores_offered"]]
+    # One namespace: the same geometry, the same cache; more blocks ready in it than the
+    # foreground's ours stored alone.
+    assert out["daemon"]["namespaces"] == 1
+    assert out["daemon"]["ready"] > out["ours"]["manager"]["stores_committed"]
+    # The pool has room for both ours engines: the foreground's capacity is unchanged.
+    assert out["daemon"]["num_slots"] == 2 * out["host_blocks"]
+    assert out["ours"]["samples"] == out["vllm"]["samples"] == 30
+    assert out["ours"]["verify_failures"] == 0 and out["ours"]["failed_loads"] == 0
+    with pytest.raises(ProcessLookupError):  # reaped: no background process left behind
+        os.kill(bg["pid"], 0)
+    assert _children() == []
+
+
+def _children() -> list[int]:
+    """Processes whose parent is this one (a zombie included: not yet reaped)."""
+    import os
+    from pathlib import Path
+
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == os.getpid():
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def test_a_busy_engine_that_fails_to_start_is_reported_and_reaped() -> None:
+    from kvoffload.bench.busy_engines import busy_engines
+
+    # The child's own error comes back (geometry refused), and the child is reaped.
+    with pytest.raises(RuntimeError, match="(?s)busy engine 0.*'hybrid' or 'attention'"), \
+            busy_engines(1, kind="mla", control="ipc:///nonexistent/control.sock"):
+        pytest.fail("an engine pair that never stepped is not ready")
+    assert _children() == []
