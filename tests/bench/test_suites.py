@@ -272,10 +272,12 @@ def test_lookup_suite_smoke() -> None:
     needs_vllm()
     from kvoffload.bench.suites.lookup import run_lookup_bench
 
-    r = run_lookup_bench(True, samples=25, big_resident=3_000, steps=60)
+    # One background engine pair: the busy run's own checks are tests/bench/test_whole_step.py.
+    r = run_lookup_bench(True, samples=25, big_resident=3_000, steps=60, busy=1)
     assert {"ratio", "p99_ratio", "attention_ratio", "attention_big_ratio", "target", "meets",
             "reason", "whole_step", "lookup_only", "vllm", "ours", "ours_big",
-            "bare_client"} <= r.keys()
+            "bare_client", "busy_ratio", "busy_p99_ratio"} <= r.keys()
+    assert r["busy"] == 1 and min(r["whole_step"]["hybrid_busy"]["background_steps"]) > 0
     # The headline is the whole step; every load of ours in it moved the right bytes.
     for run in r["whole_step"].values():
         assert run["ours"]["verify_failures"] == 0 and run["ours"]["failed_loads"] == 0
