@@ -6,10 +6,11 @@
 did), vectorized: the changed entries are read in three gathers (sequence words, entries,
 sequence words again, with load-load fences between), torn ones retried, and other namespaces'
 entries cost one array probe each; entries that only make a key of ours READY go to the table
-as one batch (``view_rows.py``, ``ReadyTable.put_many``). Answering a key is then a table
-probe, with no message and no system call. The applied position is the epoch the manager
-reports to the daemon (``Step.epoch``): the daemon reclaims a freed slot only once no engine
-can act on its old bytes.
+as one batch (``view_rows.py``, ``ReadyTable.put_many``), and those that only make one PENDING
+(another engine's claims) to the PENDING bookkeeping as one (``view_pending.py``). Answering a
+key is then a table probe, with no message and no system call. The applied position is the
+epoch the manager reports to the daemon (``Step.epoch``): the daemon reclaims a freed slot only
+once no engine can act on its old bytes.
 
 **A budget that never leaves a held key behind** (issue 24). Every refresh reads all ring
 records up to the head ``H`` it read and classifies their slots' current entries, vectorized:
@@ -48,8 +49,7 @@ copy), are ``index_map.py``'s; both names are imported from here too.
 from __future__ import annotations
 
 import time
-from itertools import compress, repeat
-from operator import eq
+from itertools import compress
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +57,7 @@ from kvoffload.connector import view_rows
 from kvoffload.connector.index_map import ENTRY_DTYPE, IndexGone, Mapped, SlotGenerations
 from kvoffload.connector.ready_table import ReadyTable
 from kvoffload.connector.view_backlog import Backlog
+from kvoffload.connector.view_pending import PendingKeys
 from kvoffload.daemon.store import fence
 from kvoffload.daemon.store import shared_index as si
 
@@ -79,7 +80,7 @@ REFRESH_CHUNK = 256
 REFRESH_AT_LEAST = 256
 
 
-class IndexView(Mapped):
+class IndexView(Mapped, PendingKeys):
     """One namespace's blocks, as the daemon last published them."""
 
     def __init__(self, path: str | Path, namespace: int, daemon_id: str | None = None) -> None:
@@ -87,13 +88,9 @@ class IndexView(Mapped):
         self.namespace = namespace
         # READY keys in flat arrays, no object per key (``ready_table.py``: why, and why a
         # hash suffices); PENDING keys, few (stores in flight), in a set and two dicts, and
-        # which slots hold one (``_pmask``, for the refresh's vectorized split).
+        # which slots hold one (``view_pending.py``).
         self.ready = ReadyTable(self.num_slots, self._key_at)
-        self.pending: set[bytes] = set()
-        self._pending_slot: dict[bytes, int] = {}
-        self._slot_pending: dict[int, bytes] = {}
-        self._pmask = np.zeros(self.num_slots, dtype=bool)
-        self._pm = self._pmask.data  # element writes in the per-key pass (~25 ns each)
+        self._init_pending(self.num_slots)
         self._mine = np.zeros(self.num_slots, dtype=bool)  # slots that held one of our keys
         # Slots whose entry the view may not show yet: additions waiting for a budget, and
         # entries read mid-write.
@@ -129,14 +126,6 @@ class IndexView(Mapped):
             return None
         return rows["key"][0].tobytes()[:int(rows["keylen"][0])]
 
-    def _unpend(self, key: bytes) -> None:
-        slot = self._pending_slot.pop(key, None)
-        if slot is not None:
-            self.pending.discard(key)
-            if self._slot_pending.get(slot) == key:
-                del self._slot_pending[slot]
-                self._pm[slot] = False
-
     def _forget(self, slots: np.ndarray) -> None:
         """``slots`` (unique, ours before) hold none of our keys any more: vectorized, so a
         burst of evictions costs ~nothing per key (``ReadyTable.drop_many``)."""
@@ -144,15 +133,7 @@ class IndexView(Mapped):
             return
         self._mine[slots] = False
         self.ready.drop_many(slots)
-        if not self._slot_pending:
-            return
-        held = slots[self._pmask[slots]]
-        self._pmask[held] = False
-        for slot in held.tolist():
-            old = self._slot_pending.pop(slot, None)
-            if old is not None and self._pending_slot.get(old) == slot:
-                del self._pending_slot[old]
-                self.pending.discard(old)
+        self._forget_pending(slots)
 
     def _consistent(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(slots, rows) read consistently, and the slots caught mid-write: each is read
@@ -189,11 +170,19 @@ class IndexView(Mapped):
         mine_slots = slots[ours]
         keys = view_rows.keys_of(mine)
         hashes = view_rows.hashes_of(keys)
-        plain = self._plain(mine_slots, mine["state"], keys, hashes)
+        states = mine["state"]
+        plain = self._plain(mine_slots, states, keys, hashes)
         if plain.any():  # at once (a burst's commits): no call per key
             self.ready.put_many(mine_slots[plain], hashes[plain], mine["ident"][plain],
                                 mine["flags"][plain] & si.FLAG_NOT_WORTH != 0)
-            rest = ~plain
+        # A burst's claims at once too (after the puts, which they commute with: what they
+        # see is what the loop would).
+        claims = states != si.READY
+        if claims.any():  # no key twice (nor its hash), as for ``_plain``
+            claims &= view_rows.alone(hashes)
+        done = plain | self._claims(mine_slots, keys, hashes, claims)
+        if done.any():
+            rest = ~done
             mine, mine_slots = mine[rest], mine_slots[rest]
             keys = list(compress(keys, rest.tolist()))
         # The rest in one pass, in order, no call per entry but the table's. A key lives in
@@ -233,40 +222,14 @@ class IndexView(Mapped):
     def _plain(self, slots: np.ndarray, states: np.ndarray, keys: list[bytes],
                hashes: np.ndarray) -> np.ndarray:
         """Which entries only make their key READY in their slot: a key no other entry here
-        has (nor its hash), pending nowhere, in a slot holding no PENDING key -- or the
-        commit of the PENDING key its slot holds (unpended here). What they change is their
-        own slot's and key's alone, so they commute with the other entries': the table puts
-        them at once (``ReadyTable.put_many``), and the loop applies the rest in order."""
+        has (nor its hash), pending nowhere, in a slot holding no PENDING key --
+        or the commit of the PENDING key its slot holds (unpended here, ``_commits``). What
+        they change is their own slot's and key's alone, so they commute with the other
+        entries': the table puts them at once (``ReadyTable.put_many``), and the loop applies
+        the rest in order."""
         plain = (states == si.READY) & view_rows.alone(hashes)
-        if not (self._slot_pending or self._pending_slot) or not plain.any():
-            return plain
-        pending_slot, slot_pending = self._pending_slot, self._slot_pending
-        held = self._pmask[slots]
-        if pending_slot:
-            unheld = np.nonzero(plain & ~held)[0].tolist()
-            plain[unheld] = [keys[i] not in pending_slot for i in unheld]
-        at = np.nonzero(plain & held)[0]
-        if len(at):
-            # Commits: ``_unpend`` of each, in C loops (``map``): both dict entries popped,
-            # and put back where they were not this key's in this slot (the loop's case).
-            ks = keys if len(at) == len(keys) else [keys[i] for i in at.tolist()]
-            ss = slots[at].tolist()
-            n, none = len(ss), repeat(None)
-            was_slot = list(map(pending_slot.pop, ks, none))
-            was_key = list(map(slot_pending.pop, ss, none))
-            ok = np.fromiter(map(eq, was_slot, ss), dtype=np.bool_, count=n)
-            ok &= np.fromiter(map(eq, was_key, ks), dtype=np.bool_, count=n)
-            if not ok.all():
-                for i in np.flatnonzero(~ok).tolist():
-                    slot, key = was_slot[i], was_key[i]
-                    if slot is not None:
-                        pending_slot[ks[i]] = slot
-                    if key is not None:
-                        slot_pending[ss[i]] = key
-                plain[at[~ok]] = False
-                at, ks = at[ok], list(compress(ks, ok))
-            self.pending.difference_update(ks)
-            self._pmask[slots[at]] = False
+        if (self._slot_pending or self._pending_slot) and plain.any():
+            self._commits(slots, keys, plain)
         return plain
 
     # -- what may wait --------------------------------------------------------------------

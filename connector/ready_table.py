@@ -243,6 +243,22 @@ class ReadyTable(Mapping[bytes, tuple[int, int]]):
         """Which of ``slots`` hold a READY key (vectorized ``holds``)."""
         return self._bucket[slots] >= 0
 
+    def absent(self, hashes: np.ndarray) -> np.ndarray:
+        """Which of ``hashes`` (``hash(key)`` each) no READY key has: ``find(key) < 0``
+        for all at once, probes in lockstep. A probe still running after
+        ``_VECTOR_ROUNDS`` answers False (maybe held): the caller's per-key path decides."""
+        mask, hashes_at, slots_at = self._mask, self._hashes, self._slots
+        out = np.zeros(len(hashes), dtype=np.bool_)
+        at, pos = np.arange(len(hashes)), hashes & mask
+        for _ in range(_VECTOR_ROUNDS):
+            held = slots_at[pos]
+            out[at[held < 0]] = True  # an empty bucket ends the probe (a tombstone does not)
+            on = (held >= 0) & (hashes_at[pos] != hashes)
+            if not np.count_nonzero(on):
+                break
+            at, hashes, pos = at[on], hashes[on], (pos[on] + 1) & mask
+        return out
+
     def drop_many(self, slots: np.ndarray) -> None:
         """``slots`` (unique) hold no READY key of ours any more: vectorized, their buckets
         become tombstones that probes pass over until ``purge`` empties them."""

@@ -237,3 +237,79 @@ def _check_layout(table: ReadyTable) -> None:
             assert table._bucket[slots_at[i]] == i
     held = np.nonzero(table._bucket[:table._tomb_slot] >= 0)[0]
     assert sorted(slots_at[table._bucket[held]].tolist()) == held.tolist()
+
+
+def _probe_len(table: ReadyTable, h: int) -> int:
+    """Buckets a probe for ``h`` reads until an empty one or ``h``'s own (tombstones passed)."""
+    i, n = h & table._mask, 1
+    while table._slots[i] >= 0 and table._hashes[i] != h:
+        i, n = (i + 1) & table._mask, n + 1
+    return n
+
+
+@pytest.mark.parametrize("rounds", (1, 2, 4))
+@pytest.mark.parametrize("seed", range(4))
+def test_absent_answers_finds_within_its_rounds_and_never_a_held_key_absent(
+        seed: int, rounds: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``absent`` (lockstep probes for ``rounds`` buckets) among random puts, drops, batches of
+    drops (tombstones, which a probe passes) and purges: True exactly for the keys no READY key
+    has whose probe ends within its rounds; False for every held key, and for an absent one
+    whose probe runs longer (the caller's per-key path decides)."""
+    monkeypatch.setattr(ready_table, "_VECTOR_ROUNDS", rounds)
+    rng = random.Random(seed)
+    slots = 24  # 64 buckets, 80 keys: probe runs past ``rounds``
+    model = _Model()
+    table = ReadyTable(slots, model.slot_key.get)
+    keys = [_key(i) for i in range(80)]
+    long_absent = 0
+    for _ in range(1500):
+        r = rng.random()
+        if r < 0.6:
+            slot, key = rng.randrange(slots), rng.choice(keys)
+            table.put(slot, key, 1, declined=False)
+            model.put(slot, key)
+        elif r < 0.85:
+            chosen = sorted(rng.sample(range(slots), rng.randrange(1, 8)))
+            table.drop_many(np.array(chosen, dtype=np.int64))
+            for s in chosen:
+                model.drop(s)
+        else:
+            table.purge(0.0)
+        hashes = [hash(k) for k in keys]
+        got = table.absent(np.array(hashes, dtype=np.int64)).tolist()
+        for key, h, answer in zip(keys, hashes, got, strict=True):
+            if key in model.key_slot:
+                assert not answer, key
+            elif _probe_len(table, h) <= rounds:
+                assert answer, key
+            else:
+                assert not answer, key
+                long_absent += 1
+    assert long_absent, "no probe ran past the rounds"
+    assert not len(table.absent(np.array([], dtype=np.int64)))
+
+
+def test_absent_past_the_vector_rounds_answers_maybe_held() -> None:
+    """Five keys of one home bucket (16 buckets): the run is longer than ``_VECTOR_ROUNDS``, so
+    a key absent but homed there answers False, as do the held ones however deep; a hash homed
+    at an empty bucket answers True, and a tombstone in the run is passed, not taken for the
+    end."""
+    table = ReadyTable(8, lambda slot: None)
+    mask = table._mask
+    same = [k for k in (_key(i) for i in range(5000)) if hash(k) & mask == 3][:5]
+    assert len(same) == 5 and ready_table._VECTOR_ROUNDS < 4
+    for slot, key in enumerate(same[:4]):
+        table.put(slot, key, 1, declined=False)
+    empty = next(h for h in range(1 << 20) if h & mask == 12)
+    hashes = np.array([hash(k) for k in same] + [empty], dtype=np.int64)
+    assert table.absent(hashes).tolist() == [False] * 5 + [True]
+    assert table.find(same[4]) == -1  # absent indeed: past the rounds it cannot tell
+    table.drop_many(np.array([0, 1], dtype=np.int64))  # tombstones at the run's start
+    assert table.absent(hashes).tolist() == [False] * 5 + [True]
+    assert table.find(same[2]) == 2 and table.find(same[0]) == -1
+    table.purge(float("inf"))
+    table.drop(2)
+    # A run of one now (its last key, shifted back to the home bucket): the absent keys'
+    # probes end at the next bucket, within the rounds.
+    assert table._slots[3:5].tolist() == [3, -1]
+    assert table.absent(hashes).tolist() == [True, True, True, False, True, True]
