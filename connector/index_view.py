@@ -57,6 +57,7 @@ from kvoffload.connector import view_rows
 from kvoffload.connector.index_map import ENTRY_DTYPE, IndexGone, Mapped, SlotGenerations
 from kvoffload.connector.ready_table import ReadyTable
 from kvoffload.connector.view_backlog import Backlog
+from kvoffload.connector.view_few import REFRESH_FEW, FewEntries, ring_records
 from kvoffload.connector.view_pending import PendingKeys
 from kvoffload.daemon.store import fence
 from kvoffload.daemon.store import shared_index as si
@@ -80,7 +81,7 @@ REFRESH_CHUNK = 256
 REFRESH_AT_LEAST = 256
 
 
-class IndexView(Mapped, PendingKeys):
+class IndexView(Mapped, PendingKeys, FewEntries):
     """One namespace's blocks, as the daemon last published them."""
 
     def __init__(self, path: str | Path, namespace: int, daemon_id: str | None = None) -> None:
@@ -99,6 +100,7 @@ class IndexView(Mapped, PendingKeys):
         self.applied = 0  # ring position read and classified: the epoch this view reflects
         self.seen = 0  # the head the latest refresh read
         self.budget_s = REFRESH_BUDGET_S
+        self.few = REFRESH_FEW  # ring records a refresh applies entry by entry (view_few.py)
         self.rescans = 0
         self.torn = 0  # entries read mid-write (kept for later: their ring record comes later)
         self._rescan()
@@ -185,16 +187,22 @@ class IndexView(Mapped, PendingKeys):
             rest = ~done
             mine, mine_slots = mine[rest], mine_slots[rest]
             keys = list(compress(keys, rest.tolist()))
-        # The rest in one pass, in order, no call per entry but the table's. A key lives in
-        # one slot: READY here drops it from PENDING anywhere, and PENDING here drops it from
-        # READY anywhere.
+        # The rest in one pass, in order (``_in_order``).
+        self._in_order(mine_slots.tolist(), keys, mine["ident"].tolist(),
+                       mine["state"].tolist(), mine["flags"].tolist())
+        self._mine[slots[ours]] = True
+
+    def _in_order(self, slots: list[int], keys: list[bytes], idents: list[int],
+                  states: list[int], flags_of: list[int]) -> None:
+        """Entries of ours applied one by one, in order, no call per entry but the table's:
+        the reference every batched path must agree with. A key lives in one slot: READY here
+        drops it from PENDING anywhere, and PENDING here drops it from READY anywhere."""
         ready, pending, pm = self.ready, self.pending, self._pm
         pending_slot, slot_pending = self._pending_slot, self._slot_pending
         put, drop, find, unpend = ready.put, ready.drop, ready.find, self._unpend
         ready_state, no_worth = si.READY, si.FLAG_NOT_WORTH
-        for slot, key, ident, state, flags in zip(
-                mine_slots.tolist(), keys, mine["ident"].tolist(), mine["state"].tolist(),
-                mine["flags"].tolist(), strict=True):
+        for slot, key, ident, state, flags in zip(slots, keys, idents, states, flags_of,
+                                                  strict=True):
             old = slot_pending.get(slot)
             if old is not None and old != key:
                 if pending_slot.get(old) == slot:
@@ -217,7 +225,6 @@ class IndexView(Mapped, PendingKeys):
                 pm[slot] = True
                 pending_slot[key] = slot
                 pending.add(key)
-        self._mine[slots[ours]] = True
 
     def _plain(self, slots: np.ndarray, states: np.ndarray, keys: list[bytes],
                hashes: np.ndarray) -> np.ndarray:
@@ -337,7 +344,18 @@ class IndexView(Mapped, PendingKeys):
         fence.load_load()  # the head before the ring records and entries it covers
         deadline = time.perf_counter() + self.budget_s
         added = 0
-        if head != start:
+        if head != start and head - start <= self.few and not self.backlog:
+            few = sorted(set(ring_records(self.mm, self.ring_off, cap, start, head)))
+            fence.load_load()
+            if self.head() - start >= cap:  # overwritten while we read: as below
+                self._rescan()
+                return head - start
+            if few and few[-1] >= self.num_slots:
+                few = [s for s in few if s < self.num_slots]
+            if len(few) <= REFRESH_AT_LEAST:
+                added = self._take_few(few)
+                self.applied = head
+        if head != self.applied:
             ring = np.frombuffer(self.mm, dtype="<u4", count=cap, offset=self.ring_off)
             lo, hi = start % cap, head % cap
             slots = ring[lo:hi].copy() if lo < hi else np.concatenate((ring[lo:], ring[:hi]))

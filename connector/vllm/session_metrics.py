@@ -93,15 +93,17 @@ class SessionMetrics:
     def collect(self, manager: Any) -> OffloadingConnectorStats | None:
         """What changed since the last call, as a payload for ``get_kv_connector_stats``;
         None when nothing did. ``manager``: our ``DaemonOffloadingManager``."""
-        stats = OffloadingConnectorStats()
         attached = bool(manager.session.attached)
-        if attached != self._attached:
-            stats.set_gauge(ATTACHED, int(attached))
-            self._attached = attached
         sources = {"session": manager.session.counters, "manager": manager.counters}
         totals = {name: int(sources[where].get(key, 0))
                   for name, (where, key) in _TOTALS.items()}
         totals[LOOKUPS_OFFLINE] = self.lookups_offline
+        if attached == self._attached and totals == self._sent:
+            return None  # the usual step: nothing changed, no payload built (vLLM asks each step)
+        stats = OffloadingConnectorStats()
+        if attached != self._attached:
+            stats.set_gauge(ATTACHED, int(attached))
+            self._attached = attached
         for name, total in totals.items():
             sent = self._sent.get(name)
             if sent is None or total > sent:  # the first payload starts every series, at 0 too

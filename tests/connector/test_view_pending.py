@@ -102,18 +102,26 @@ def _writes(rng: random.Random, fast: IndexView, keys: list[bytes], slots: int,
     return out
 
 
-@pytest.mark.parametrize("weak", (0, 61))
-@pytest.mark.parametrize("seed", range(8))
-def test_batched_claims_and_commits_leave_the_view_as_the_loop_does(
-        index_path: Path, seed: int, weak: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def two_views(index_path: Path, seed: int, weak: int, monkeypatch: pytest.MonkeyPatch,
+              ) -> tuple[random.Random, int, list[bytes], si.SharedIndexWriter, IndexView,
+                         IndexView]:
+    """A writer of 48 slots and two views of it, the second loop-only (the reference); keys
+    from a pool of 40 or 120 by ``seed``; a weak hash of ``weak`` values unless 0."""
     if weak:
         _weak(monkeypatch, weak)
-    rng = random.Random(seed)
     slots = 48
     keys = [_key(i) for i in range(40 if seed % 2 else 120)]
     w = si.SharedIndexWriter(index_path, slots, "d1")
     fast, slow = IndexView(index_path, 0, "d1"), IndexView(index_path, 0, "d1")
     _loop_only(slow)
+    return random.Random(seed), slots, keys, w, fast, slow
+
+
+@pytest.mark.parametrize("weak", (0, 61))
+@pytest.mark.parametrize("seed", range(8))
+def test_batched_claims_and_commits_leave_the_view_as_the_loop_does(
+        index_path: Path, seed: int, weak: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng, slots, keys, w, fast, slow = two_views(index_path, seed, weak, monkeypatch)
     counts = _counting(fast)
     gen = 0
     for _ in range(400):

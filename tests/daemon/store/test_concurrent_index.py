@@ -4,6 +4,7 @@ Another process rewrites entries as fast as it can -- the same (generation, key)
 for half the slots, a new generation and key every time for the other half -- while this one
 refreshes an ``IndexView`` and checks generations. A stable READY key that the view loses for a
 moment, or a stable slot whose check says "reused", is a torn read that got through.
+Once with the vectorized read, once entry by entry (``view_few.py``).
 ``KVOFFLOAD_STRESS_S`` sets the duration (the issue's 10 s; 3 s by default in CI).
 """
 
@@ -17,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import pytest
 from kvoffload.connector.index_view import IndexView, SlotGenerations
 from kvoffload.daemon.store import shared_index as si
 
@@ -46,7 +48,9 @@ def _key(i: int) -> bytes:
     return i.to_bytes(32, "big") + bytes(4)
 
 
-def test_no_torn_read_under_a_concurrent_writer() -> None:
+@pytest.mark.parametrize("few", (0, 10**9), ids=("vectorized", "entry_by_entry"))
+def test_no_torn_read_under_a_concurrent_writer(few: int) -> None:
+    """Both ways a refresh reads entries (``view_few.py``: a few ring records one by one)."""
     seconds = float(os.environ.get("KVOFFLOAD_STRESS_S", "3"))
     path = Path(f"/dev/shm/kvoffload-test-stress-{uuid.uuid4().hex[:10]}")
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(seconds),
@@ -54,6 +58,7 @@ def test_no_torn_read_under_a_concurrent_writer() -> None:
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         view = IndexView(path, 0, "stress")
+        view.few = few
         gens = SlotGenerations(path, "stress")
         slots = np.arange(STABLE, dtype=np.int64)
         idents = np.array([si.ident(s + 1, _key(s)) for s in range(STABLE)], dtype=np.uint64)
