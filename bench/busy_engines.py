@@ -148,7 +148,7 @@ def busy_engines(n: int, *, kind: str, control: str, seed: int = 0, in_flight: i
 
 def _pair(config: dict[str, Any], proto: IO[str], stop: threading.Event) -> None:
     from kvoffload.bench.chat_driver import ChatMix, Inflight
-    from kvoffload.bench.whole_step import engines
+    from kvoffload.bench.step_engines import engines
 
     ours, theirs = engines(config["kind"], config["control"], config["extra"])
     try:

@@ -28,56 +28,12 @@ from typing import Any
 from kvoffload.bench.chat_driver import ChatMix, Inflight
 from kvoffload.bench.proc import daemon_process
 from kvoffload.bench.sim import percentile
-from kvoffload.bench.workload import PRESETS
+from kvoffload.bench.step_engines import CHUNK, engines, geometry
+
+__all__ = ["CHUNK", "IN_FLIGHT", "WARMUP", "engines", "geometry", "run_whole_step"]
 
 IN_FLIGHT = 48
-CHUNK = 2048
 WARMUP = 50
-ROW = 8  # KV bytes per token: the fake model's bytes stay small, every one still checked
-
-
-def geometry(kind: str) -> tuple[Any, int, int]:
-    """(Shape, GPU blocks per group, host blocks) of ``hybrid`` (qwen3.6-27b-tp1: 784-token
-    blocks, 16-token hashes, 1 attention + 3 Mamba align groups) or ``attention`` (16-token
-    blocks). The GPU holds little more than the requests in flight, so other traffic evicts
-    between a conversation's turns and some prefixes come back from the offload; the host
-    memory is four times the GPU's."""
-    from kvoffload.bench.vllm_engine import Shape
-
-    if kind == "hybrid":
-        p = PRESETS["qwen3.6-27b-tp1"]
-        shape = Shape(block=p.block_tokens, unit=p.tokens_per_hash, mamba_groups=p.mamba_groups,
-                      row=ROW, max_model_len=16_384)
-        return shape, 200, 800
-    if kind == "attention":
-        return Shape(block=16, unit=16, mamba_groups=0, row=ROW, max_model_len=16_384), 2500, 10000
-    raise ValueError(f"geometry is 'hybrid' or 'attention', not {kind!r}")
-
-
-def engines(kind: str, control: str, extra: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """(ours, vLLM's) ``MiniEngine`` of geometry ``kind``: ours on the daemon at ``control``,
-    vLLM's ``CPUOffloadingSpec`` with the same number of host blocks. The caller shuts both."""
-    from kvoffload.bench.vllm_engine import MiniEngine
-
-    shape, gpu_blocks, host_blocks = geometry(kind)
-    ours = MiniEngine({"spec_name": "KVOffloadSpec",
-                       "spec_module_path": "kvoffload.connector.vllm",
-                       "kvoffload_control": control, "kvoffload_copy_async": False,
-                       **(extra or {})},
-                      connector="KVOffloadConnector",
-                      connector_module="kvoffload.connector.vllm", num_blocks=gpu_blocks,
-                      shape=shape, max_batched_tokens=CHUNK)
-    # vLLM's CPU spec holds one group block per chunk, padded to 4 KiB: the same count.
-    chunk = -(-shape.page // 4096) * 4096
-    try:
-        theirs = MiniEngine({"spec_name": "CPUOffloadingSpec",
-                             "cpu_bytes_to_use": host_blocks * (1 + shape.mamba_groups) * chunk},
-                            real_worker=False, num_blocks=gpu_blocks, shape=shape,
-                            max_batched_tokens=CHUNK)
-    except BaseException:
-        ours.shutdown()
-        raise
-    return ours, theirs
 
 
 def _fill(control: str, geometry: Any, count: int, seed: int) -> None:
