@@ -285,14 +285,14 @@ class DaemonOffloadingManager(OffloadingManager):
     def _claim(self, new: list[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:
         info = self.requests.get(req_context.req_id)
         tph = self.geometry.tokens_per_hash
-        refs = self._reserved[-len(new):]
-        del self._reserved[-len(new):]
+        refs, self._reserved[-len(new):] = self._reserved[-len(new):], []
         claims, block = self._batch.claims, self._block
         for key, (slot, gen) in zip(new, refs, strict=True):
             item = store_item(key, req_context.get_offload_key_position(key),
                               block.get(key_group(key), 1), tph, info)
             claims.append(p.StoreClaim(item=item, slot=slot, gen=gen))
         self.own.claimed(new, refs)
+        self._finds.stored(new)  # the pool may demote them: a tier may hold them later
         slots, gens = [r[0] for r in refs], [r[1] for r in refs]
         self.counters["stores_offered"] += len(new)
         lock = self.session.reg.readers_path if self.session.reg is not None else ""

@@ -70,6 +70,14 @@ class Finds:
         self.asking.discard(key)
         self._not_found[key] = step
 
+    def stored(self, keys: Collection[bytes]) -> None:
+        """This engine stores these keys now: once the pool evicts them a tier may hold
+        them, so an earlier "no tier has it" no longer says anything."""
+        not_found = self._not_found
+        if not_found:
+            for key in keys:
+                not_found.pop(key, None)
+
     def answered(self, found: Collection[bytes], not_found: Collection[bytes], step: int
                  ) -> None:
         self.asking.difference_update(found)

@@ -57,3 +57,14 @@ def test_finds_ask_once_and_respect_the_ttl() -> None:
     assert f.ask(A)
     f.answered([A], [], 16)
     assert A not in f.asking
+
+
+def test_a_key_we_store_is_asked_of_the_tiers_again() -> None:
+    """No tier had it; then this engine stored it: once the pool evicts it a tier may hold
+    it, so the next lookup asks again rather than trust the old answer for ``ttl_steps``."""
+    f = Finds(64)
+    assert f.ask(A) and f.ask(B)
+    f.answered([], [A, B], step=10)
+    assert not f.worth_asking(A, 20) and not f.worth_asking(B, 20)
+    f.stored([A])
+    assert f.worth_asking(A, 20) and not f.worth_asking(B, 20)
