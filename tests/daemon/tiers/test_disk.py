@@ -104,7 +104,8 @@ def evict_a(client: DaemonClient, pool: mmap.mmap, disk: Path) -> None:
 def test_evicted_block_is_promoted_and_loads_its_bytes(tmp_path, disk) -> None:
     with start(tmp_path, disk) as d, attach(d) as (client, pool):
         evict_a(client, pool, disk)
-        assert metric(d, "kvoffload_tier_ops_total", op="write") == 2
+        # A block's file shows before its write is counted (the count follows the write).
+        wait_for(lambda: metric(d, "kvoffload_tier_ops_total", op="write") == 2)
         # No wait: deferred (the promotion starts); with a wait: the future brings the hit.
         assert client.lookup([query()])[0].hit_tokens is None
         ans = client.lookup([query()], wait_ms=2000, pin=True)[0]
