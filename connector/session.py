@@ -27,6 +27,7 @@ it applied; ``send`` counts the message and, at the end of a step, marks the rec
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -378,7 +379,9 @@ class IndexSession:
         deadline = time.monotonic() + timeout_ms / 1000
         while self._sock is not None and (self._sync if only_sync else self._outstanding):
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
+            # Rounded up: zmq polls whole milliseconds, and 1.9 ms truncated to 1 gave up on
+            # replies that came 1.2-1.7 ms after a ramp's ask (``_top_up``), sync_ms being 2.
+            if left <= 0 or not self._sock.poll(math.ceil(left * 1000)):
                 break
             out.extend(self._poll())
         return out

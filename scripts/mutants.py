@@ -196,6 +196,11 @@ MUTANTS = [
            "        elif by_name.setdefault(g.namespace, g) != g:",
            "        elif False:",
            ("tests/daemon/state/test_bad_state_dir.py",)),
+    # Not bytes but stores: keys vLLM offers once, dropped at a ramp, are never loadable.
+    Mutant("a ramp's once-offered keys dropped, not topped up", "connector/vllm/manager.py",
+           "            self._top_up(len(new))  # offered once only: the bounded wait of a ramp",
+           "            pass",
+           (VLLM + "test_long_prompts.py::test_a_ramp_of_tails_offered_once_drops_none",)),
     Mutant("KV dtype dropped from the namespace", "connector/vllm/geometry.py",
            "identity = repr((config.model.name, config.model.dtype, par.world_size,",
            "identity = repr((config.model.name, par.world_size,",

@@ -16,10 +16,11 @@ runs unchanged over true per-key states. No message is sent on the lookup path:
   until then. A slot that went to another writer fails its generation check in the worker, and
   the load is reported (never used);
 * ``prepare_store`` takes slots from a reservation the daemon granted in advance and sized to
-  recent steps' demand (``reservation.py``), so it never waits; a store that finds too few
-  slots, of a request vLLM will offer again, answers None (vLLM offers the same keys next
-  step, when the refill this step asks for is in) rather than dropping keys; "already stored"
-  is read from the view, never from a private memory that goes stale;
+  recent steps' demand (``reservation.py``); a store short of slots, of a request vLLM offers
+  again, answers None (vLLM offers the same keys next step, when the refill is in), one vLLM
+  offers once waits ``sync_ms`` at most for a grant asked then (``_top_up``: a ramp); never a
+  dropped key while the daemon grants; "already stored" is read from the view, never from a
+  private memory that goes stale;
 * until the view shows a store READY the manager answers for its own stores itself
   (``own_stores.py``): PENDING, or HIT once committed and the daemon holds the claim (the
   daemon applies a Step's commits before its pins), however long the daemon takes; once it
@@ -42,6 +43,7 @@ from typing import Any
 from kvoffload.connector.ready_table import ReadyTable
 from kvoffload.connector.session import IndexSession
 from kvoffload.connector.vllm.batch import StepBatch as _Batch
+from kvoffload.connector.vllm.cache_reset import CacheReset
 from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
 from kvoffload.connector.vllm.own_stores import Action, OwnStores
 from kvoffload.connector.vllm.requests import (
@@ -82,7 +84,7 @@ def _empty_store() -> PrepareStoreOutput:
                               evicted_keys=[])
 
 
-class DaemonOffloadingManager(OffloadingManager):
+class DaemonOffloadingManager(CacheReset, OffloadingManager):
     def __init__(self, session: IndexSession, geometry: Geometry,
                  settings: ManagerSettings) -> None:
         self.session, self.geometry, self.settings = session, geometry, settings
@@ -104,7 +106,6 @@ class DaemonOffloadingManager(OffloadingManager):
         self._loads: dict[str, list[p.SlotRef]] = {}  # req -> pins of its load in flight
         self._finds = Finds(settings.find_ttl_steps)  # keys asked of the daemon's tiers
         self._waits = Waits(settings.pending_wait_ms, self.counters)  # waits.py: why
-        self._after_reset: tuple[list[p.SlotRef], list[p.SlotRef]] | None = None
         self._batch = _Batch()
         self._held = -1  # the step since which the batch holds items that could wait
         self._waited = False  # this step waited for our claims' replies already
@@ -274,13 +275,34 @@ class DaemonOffloadingManager(OffloadingManager):
                 self.counters["stores_deferred"] += len(new)
                 self._deferred[req_context.req_id] = len(new)
                 return None
-            # Offered once only (a finished request, a tail, a copy-on-write state) or more
-            # than the daemon grants us: the longest prefix that fits (keys in prefix order).
+            self._top_up(len(new))  # offered once only: the bounded wait of a ramp
+        if len(res.slots) < len(new):
+            # Offered once only (a finished request, a tail, a copy-on-write state) and the
+            # daemon granted no more in time, or more than it grants us: the longest prefix
+            # that fits (keys in prefix order).
             self.counters["stores_short_reservation"] += len(new) - len(res.slots)
             new = new[:len(res.slots)]
             if not new:
                 return _empty_store()
         return self._claim(new, req_context)
+
+    def _top_up(self, n: int) -> None:
+        """Keys vLLM offers once only (tails, copy-on-write states, a finished request's last
+        blocks) lack slots: the step's demand jumped past what recent steps asked for (a ramp:
+        48 requests' tails in one step). Ask for the target now and wait ``sync_ms`` at most,
+        rather than drop keys vLLM never offers again; only while every earlier ask was
+        answered in full (a slow, frozen or capping daemon is not waited for again). The
+        record stays busy at the view's epoch: this step's pins stay protected (reclaim.py)."""
+        res = self.reservation
+        want = max(res.target(), 2 * n) - len(res.slots)
+        if res.asked or res.short or res.no_space or want <= 0:
+            return
+        rid = self.session.send(lambda rid, engine, epoch: p.Step(
+            rid=rid, engine=engine, epoch=epoch, reserve=want), end_of_step=False, sync=True)
+        res.sent(rid, want)  # None: the session is lost, and the wait returns at once
+        self.counters["reserve_waits"] += 1
+        for reply in self.session.wait_replies(self.settings.sync_ms, only_sync=True):
+            self._absorb(reply)
 
     def _claim(self, new: list[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:
         info = self.requests.get(req_context.req_id)
@@ -392,29 +414,6 @@ class DaemonOffloadingManager(OffloadingManager):
             self._flush = True
             return True
         return False
-
-    def reset_cache(self) -> None:
-        # Workers may still read pinned slots and write claimed ones until on_reset_flushed.
-        # Commits not sent yet are dropped with the rest: the reset goes out first.
-        pins = [ref for refs in self._loads.values() for ref in refs]
-        grants = [p.SlotRef(k, slot, gen) for k, slot, gen in self.own.grants()]
-        self._after_reset = (pins, grants)
-        self._loads.clear()
-        self._batch.commits.clear()
-        self.own.clear()
-        scope = self.settings.reset_scope
-        if scope != "none":
-            self.session.post(lambda rid, engine: p.Reset(rid=rid, engine=engine, scope=scope))
-
-    def on_reset_flushed(self) -> None:
-        if self._after_reset is None:
-            return
-        pins, grants = self._after_reset
-        self._after_reset = None
-        if pins or grants:
-            self.session.send(lambda rid, engine, epoch: p.Step(
-                rid=rid, engine=engine, epoch=epoch, releases=pins, aborts=grants),
-                end_of_step=not self._busy)
 
     def shutdown(self) -> None:
         self.session.close()

@@ -98,8 +98,8 @@ class Reservation:
         del self.slots[target:]
         return back
 
-    def sent(self, rid: int, n: int) -> None:
-        if n:
+    def sent(self, rid: int | None, n: int) -> None:
+        if n and rid is not None:
             self.asked += n
             self._rids[rid] = n
 

@@ -130,3 +130,21 @@ def test_continuous_chat_at_2048_tokens_per_step_drops_no_store(tmp_path: Path) 
     assert counters["stores_offered"] > 1_000, counters  # the run did store, a lot
     assert counters["stores_short_reservation"] == 0, counters
     assert out["loads"] > 0 and out["verify_failures"] == 0 and out["failed_loads"] == 0, out
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_ramp_of_tails_offered_once_drops_none(seed: int) -> None:
+    """48 requests arrive at once (the whole-step bench's hybrid chat): in one step of the
+    ramp 13 requests finish their prefill, and each hands off its tail and copy-on-write
+    states in 4 groups, keys vLLM offers once only -- 52-65 keys against a reservation sized
+    to the recent peak of 16-20. The manager asks the daemon for more then and waits
+    (``_top_up``; ``sync_ms`` here is the tests' 2 s, so a loaded host cannot turn the wait
+    into a drop): not one key is dropped (without it, 15 / 2 were)."""
+    from kvoffload.bench.whole_step import run_whole_step
+
+    out = run_whole_step("hybrid", 10, seed=seed, extra={"kvoffload_sync_ms": 2000})
+    manager = out["ours"]["manager"]
+    assert manager["stores_offered"] > 100, manager  # the ramp did store
+    assert manager.get("reserve_waits", 0) >= 1, manager  # and outgrew its reservation
+    assert manager.get("stores_short_reservation", 0) == 0, manager
+    assert out["ours"]["verify_failures"] == 0 and out["ours"]["failed_loads"] == 0
