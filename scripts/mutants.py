@@ -201,6 +201,11 @@ MUTANTS = [
            "            self._top_up(len(new))  # offered once only: the bounded wait of a ramp",
            "            pass",
            (VLLM + "test_long_prompts.py::test_a_ramp_of_tails_offered_once_drops_none",)),
+    # Not bytes but hits: a tier's "not found" outlives this engine's own store of the key.
+    Mutant("a key's own store does not clear its tier miss", "connector/vllm/waits.py",
+           "        not_found = self._not_found\n        if not_found:",
+           "        not_found = self._not_found\n        if False:",
+           (VLLM + "test_tiers.py",)),
     Mutant("KV dtype dropped from the namespace", "connector/vllm/geometry.py",
            "identity = repr((config.model.name, config.model.dtype, par.world_size,",
            "identity = repr((config.model.name, par.world_size,",

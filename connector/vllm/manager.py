@@ -52,7 +52,7 @@ from kvoffload.connector.vllm.requests import (
     offered_again,
     store_item,
 )
-from kvoffload.connector.vllm.reservation import Reservation
+from kvoffload.connector.vllm.reservation import HEADROOM, Reservation
 from kvoffload.connector.vllm.settings import ManagerSettings
 from kvoffload.connector.vllm.waits import Finds, Waits
 from kvoffload.daemon.base import Geometry, GroupKind, key_group
@@ -294,15 +294,16 @@ class DaemonOffloadingManager(CacheReset, OffloadingManager):
         answered in full (a slow, frozen or capping daemon is not waited for again). The
         record stays busy at the view's epoch: this step's pins stay protected (reclaim.py)."""
         res = self.reservation
-        want = max(res.target(), 2 * n) - len(res.slots)
+        want = max(res.target(), HEADROOM * n) - len(res.slots)
         if res.asked or res.short or res.no_space or want <= 0:
             return
         rid = self.session.send(lambda rid, engine, epoch: p.Step(
             rid=rid, engine=engine, epoch=epoch, reserve=want), end_of_step=False, sync=True)
-        res.sent(rid, want)  # None: the session is lost, and the wait returns at once
-        self.counters["reserve_waits"] += 1
-        for reply in self.session.wait_replies(self.settings.sync_ms, only_sync=True):
-            self._absorb(reply)
+        if rid is not None:  # None: the session is lost, and no grant can come
+            res.sent(rid, want)
+            self.counters["reserve_waits"] += 1
+            for reply in self.session.wait_replies(self.settings.sync_ms, only_sync=True):
+                self._absorb(reply)
 
     def _claim(self, new: list[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:
         info = self.requests.get(req_context.req_id)

@@ -25,6 +25,26 @@ def test_both_engines_serve_the_same_chat_and_ours_loads_correct_bytes() -> None
     assert out["ratio"] > 0 and out["p99_ratio"] > 0
 
 
+def test_a_burst_of_another_clients_commits_lands_between_steps_and_is_watched() -> None:
+    from kvoffload.bench.whole_step import AFTER_BURST, WARMUP, run_whole_step
+
+    out = run_whole_step("attention", 2 * AFTER_BURST, seed=4, bursts=1, burst_keys=500)
+    assert out["bursts"] == 1 and out["burst_keys"] == 500
+    # Every one of the burst's blocks reached ours' view (as READY) within the 40 steps after.
+    assert out["bursts_in_view"] == 500
+    for side in ("ours", "vllm"):
+        after = out[side]["after_burst"]
+        assert after["max_us"] > 0 and out[side]["samples"] == 2 * AFTER_BURST
+        # The longest watched step, less the p50 of all counted steps.
+        assert after["excess_ms"] == pytest.approx(
+            (after["max_us"] - out[side]["p50_us"]) / 1000, abs=2e-3)
+    assert out["ours"]["steps"] == WARMUP + 2 * AFTER_BURST
+    # Step for step (ours - vLLM), after the burst and, as its control, before it.
+    assert set(out["after_burst"]) == {"paired_excess_ms", "control_ms"}
+    assert all(isinstance(v, float) for v in out["after_burst"].values())
+    assert out["ours"]["verify_failures"] == 0 and out["ours"]["failed_loads"] == 0
+
+
 def test_an_unknown_geometry_is_refused() -> None:
     from kvoffload.bench.whole_step import geometry
 

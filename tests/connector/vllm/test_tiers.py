@@ -1,7 +1,8 @@
 """A block on the daemon's disk tier, asked for by vLLM's scheduler over our plugin: the key
 answers RETRY and the step's message asks the tier (no round trip is waited for); the
 promotion shows in the shared index as PENDING, then READY; vLLM asks again on its next step and
-loads the right bytes."""
+loads the right bytes. A key no tier held when first asked is asked again once this engine
+has stored it (``Finds.stored``), however recent that "not found" was."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ pytestmark = [
 ]
 
 
-def test_disk_tier_blocks_come_back_through_finds_and_load_correct_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ttl", [64, 1_000_000], ids=["default-ttl", "not-found-forgotten-on-store"])
+def test_disk_tier_blocks_come_back_through_finds_and_load_correct_bytes(
+        tmp_path: Path, ttl: int) -> None:
     from kvoffload.bench.vllm_engine import BLOCK, ROW, MiniEngine, token_row
 
     disk = tmp_path / "disk"
@@ -28,7 +31,9 @@ def test_disk_tier_blocks_come_back_through_finds_and_load_correct_bytes(tmp_pat
     with run_daemon(tmp_path, "--disk-dir", str(disk), "--disk-bytes", str(4 << 20),
                     pool_bytes=32 * 4096, slot_bytes=4096) as d:
         e = MiniEngine(plugin_config(d.control, kvoffload_copy_async=False,
-                                     kvoffload_store_reserve=4),
+                                     kvoffload_store_reserve=4,
+                                     # 1,000,000: the first "not found" never expires by age
+                                     kvoffload_find_ttl_steps=ttl),
                        connector="KVOffloadConnector", connector_module="kvoffload.connector.vllm")
         manager = e.connector.scheduler.manager
         assert manager._tiers  # the daemon said it has a lower tier
@@ -39,7 +44,17 @@ def test_disk_tier_blocks_come_back_through_finds_and_load_correct_bytes(tmp_pat
             e.run()
             return e.prefill_tokens[req_id]
 
+        answers: list[Any] = []
+        original = e.connector.get_num_new_matched_tokens
+
+        def recording(request: Any, local: int) -> Any:
+            result = original(request, local)
+            answers.append(result[0])
+            return result
+
+        e.connector.get_num_new_matched_tokens = recording
         assert serve(prompt, "first") == 30
+        assert answers[0] is None  # the tier was asked (and held nothing): "not found" noted
         for i in range(24):  # other prompts push the first one out of the 32-slot pool
             assert serve(list(range(5000 + 40 * i, 5030 + 40 * i)), f"filler{i}") == 30
         assert e.scheduler.reset_prefix_cache()
@@ -57,15 +72,7 @@ def test_disk_tier_blocks_come_back_through_finds_and_load_correct_bytes(tmp_pat
 
         e.on_loaded = check
         trips = manager.session.client.round_trips
-        answers: list[Any] = []
-        original = e.connector.get_num_new_matched_tokens
-
-        def recording(request: Any, local: int) -> Any:
-            result = original(request, local)
-            answers.append(result[0])
-            return result
-
-        e.connector.get_num_new_matched_tokens = recording
+        answers.clear()
         got = serve(prompt, "again")
         # The complete chunk came back from disk (tails go to disk only when their read pays).
         assert got == 30 - seen["loaded"] and seen["loaded"] >= 16
