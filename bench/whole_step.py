@@ -139,7 +139,7 @@ def run_whole_step(kind: str, steps: int, *, seed: int = 0, resident: int = 0,
         out["background_steps"] = [b["steps"] for b in background]
         out["background_ours_stores"] = [b["ours"]["stores_offered"] for b in background]
     if bursts:
-        out["after_burst"] = _paired(drivers, burst_at)
+        out["burst_paired"] = _paired(drivers, burst_at)
     p50 = out["ours"]["p50_us"] / max(1e-9, out["vllm"]["p50_us"])
     p99 = out["ours"]["p99_us"] / max(1e-9, out["vllm"]["p99_us"])
     out["ratio"], out["p99_ratio"] = round(p50, 3), round(p99, 3)

@@ -370,8 +370,8 @@ def run_lookup_bench(quick: bool = True, *, samples: int | None = None,
         out["busy_p99_ratio"] = runs["hybrid_busy"]["p99_ratio"]
         named += [("busy_ratio", TARGET), ("busy_p99_ratio", P99_TARGET)]
     bursts = runs["hybrid_bursts"]
-    out["burst_excess_ms"] = bursts["after_burst"]["paired_excess_ms"]
-    out["burst_excess_control_ms"] = bursts["after_burst"]["control_ms"]
+    out["burst_excess_ms"] = bursts["burst_paired"]["paired_excess_ms"]
+    out["burst_excess_control_ms"] = bursts["burst_paired"]["control_ms"]
     out["burst_step_excess_ms"] = {side: bursts[side]["after_burst"]["excess_ms"]
                                    for side in ("ours", "vllm")}
     named.append(("burst_excess_ms", BURST_EXCESS_MS))

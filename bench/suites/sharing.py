@@ -127,23 +127,20 @@ def _variant(n_engines: int, convs: list[list[list[int]]], slots: int, ours: boo
     """``slots`` blocks of host memory in all: one pool, or ``slots / N`` chunks per engine."""
     from kvoffload.bench.vllm_engine import plugin_engine
 
-    if not ours:
-        engines = [offload_engine(slots // n_engines, config, gpu_blocks=24)
-                   for _ in range(n_engines)]
+    def serve(engines: list[Any]) -> dict[str, Any]:
         try:
             return _route(engines, convs, routing=routing)
         finally:
             for e in engines:
                 e.shutdown()
+
+    if not ours:
+        return serve([offload_engine(slots // n_engines, config, gpu_blocks=24)
+                      for _ in range(n_engines)])
     with daemon_process("--lease-ms", "600000", pool_bytes=slots * PAGE,
                         slot_bytes=0) as (_proc, ready):
-        engines = [plugin_engine(ready["control"], gpu_blocks=24, kvoffload_store_reserve=16)
-                   for _ in range(n_engines)]
-        try:
-            return _route(engines, convs, routing=routing)
-        finally:
-            for e in engines:
-                e.shutdown()
+        return serve([plugin_engine(ready["control"], gpu_blocks=24, kvoffload_store_reserve=16)
+                      for _ in range(n_engines)])
 
 
 def run_tp_variant(convs: list[list[list[int]]], slots: int, *, engines: int = 2,

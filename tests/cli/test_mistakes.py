@@ -19,13 +19,6 @@ from tests.daemon_helpers import run_daemon
 from tests.mistake_helpers import cli, one_line, pool_path, serve_args
 
 
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="kvo-m-"))  # ipc paths stay short
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def _port(url: str) -> str:
     return url.rsplit(":", 1)[1]
 

@@ -9,11 +9,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,27 +20,11 @@ from kvoffload.daemon.base import Geometry, GroupKind, GroupSpec, make_key
 from kvoffload.daemon.control import protocol as p
 
 from tests.daemon_helpers import DaemonHandle, run_daemon
-from tests.mistake_helpers import cli, one_line, pool_path, serve_args
+from tests.mistake_helpers import cli, one_line, serve_args
 
 SLOT = 4096
 GEOM = Geometry(namespace="files", groups=(GroupSpec(GroupKind.FULL_ATTENTION, 16, SLOT),),
                 tokens_per_hash=16)
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="kvo-f-"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def pool() -> Iterator[str]:
-    path = pool_path()
-    yield path
-    for leftover in (path, f"{path}.index"):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(leftover)
 
 
 def readyz(d: DaemonHandle) -> tuple[int, dict]:

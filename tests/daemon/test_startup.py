@@ -11,7 +11,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -25,27 +24,12 @@ import zmq
 from kvoffload.bench.suites.load import metric_sum, scrape_metrics
 
 from tests.daemon_helpers import run_daemon
-from tests.mistake_helpers import cli, one_line, pool_path, serve_args
+from tests.mistake_helpers import cli, one_line, serve_args
 
 OTHER_UID = 65534  # "nobody": a local user who is not the daemon's
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a file that another user "
                                 "owns needs root")
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="kvo-s-"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def pool() -> Iterator[str]:
-    path = pool_path()
-    yield path
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 # -- the pool file -------------------------------------------------------------------------
