@@ -38,6 +38,7 @@ class Mutant:
 
 
 VLLM = "tests/connector/vllm/"
+STEPS = "tests/daemon/control/test_steps.py::"
 MUTANTS = [
     Mutant("post-copy generation check removed", "connector/vllm/worker.py",
            "ok = self._intact(self._pool, check[2], check[3])", "ok = True",
@@ -206,6 +207,38 @@ MUTANTS = [
            "        not_found = self._not_found\n        if not_found:",
            "        not_found = self._not_found\n        if False:",
            (VLLM + "test_tiers.py",)),
+    # A claim names a slot of this engine's reservation at the generation it was granted at;
+    # the commit, the claimed slot at that generation. Either check gone: two writers.
+    Mutant("a claim of another engine's reserved slot accepted", "daemon/store/index.py",
+           "or self.reserved_by.get(slot) is not holder or self.gen[slot] != gen:",
+           "or self.gen[slot] != gen:",
+           (STEPS + "test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes"
+            "_nothing",)),
+    Mutant("a claim at a stale generation accepted", "daemon/store/index.py",
+           "or self.reserved_by.get(slot) is not holder or self.gen[slot] != gen:",
+           "or self.reserved_by.get(slot) is not holder:",
+           (STEPS + "test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes"
+            "_nothing",)),
+    Mutant("a commit at a stale generation accepted", "daemon/control/steps.py",
+           "if slot != ref.slot or slot not in client.pending or idx.gen[slot] != ref.gen:",
+           "if slot != ref.slot or slot not in client.pending:",
+           (STEPS + "test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes"
+            "_nothing",)),
+    Mutant("pinned blocks evicted", "daemon/store/index.py",
+           "return self.state[slot] == SlotState.READY and self.pins[slot] == 0",
+           "return self.state[slot] == SlotState.READY",
+           ("tests/daemon/store/test_index.py::test_states_and_eviction_order",)),
+    # The copy engine checks a job whole before any byte moves.
+    Mutant("a job's rows outside the pool or the KV tensors copied", "connector/transfer/engine.py",
+           "if bool((arr < 0).any()) or bool((arr >= bounds).any()):", "if False:",
+           ("tests/connector/transfer/test_engine.py::test_bad_job_is_reported_and_corrupts"
+            "_nothing",)),
+    Mutant("a job writing one destination twice copied", "connector/transfer/engine.py",
+           "if bool((ordered[1:] == ordered[:-1]).any()):", "if False:",
+           ("tests/connector/transfer/test_engine.py::test_duplicate_destinations_rejected",)),
+    Mutant("a superseded index passes the worker's checks", "connector/index_map.py",
+           "if self.superseded() or not ok.any():", "if not ok.any():",
+           (VLLM + "test_plugin.py::test_worker_rank_pages_generations_and_failed_loads",)),
     Mutant("KV dtype dropped from the namespace", "connector/vllm/geometry.py",
            "identity = repr((config.model.name, config.model.dtype, par.world_size,",
            "identity = repr((config.model.name, par.world_size,",

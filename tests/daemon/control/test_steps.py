@@ -61,3 +61,41 @@ def test_a_touch_of_a_bad_key_refuses_the_step(tmp_path) -> None:
         ok = c.call(p.Step(rid=c.rid(), engine=engine, epoch=0, touches=_keys("gone", 1)))
         assert isinstance(ok, p.StepReply)
         c.close()
+
+
+def _claim(c: DaemonClient, engine: int, key: bytes, slot: int, gen: int) -> p.StepReply:
+    reply = c.call(p.Step(rid=c.rid(), engine=engine, epoch=0, claims=[
+        p.StoreClaim(item=p.StoreItem(key=key, end_token=16), slot=slot, gen=gen)]))
+    assert isinstance(reply, p.StepReply), reply
+    return reply
+
+
+def test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes_nothing(
+        tmp_path) -> None:
+    """Two writers in one slot start here: a claim must name a slot granted to this engine,
+    at the generation it was granted at (a stale grant, a neighbour's slot: refused)."""
+    with run_daemon(tmp_path, pool_bytes=SLOTS * 1024, slot_bytes=1024) as d:
+        a, b = (DaemonClient(d.control, timeout_ms=5000) for _ in range(2))
+        ea, eb = a.register(GEOMETRY).engine, b.register(GEOMETRY).engine
+        reply = a.call(p.Step(rid=a.rid(), engine=ea, epoch=0, reserve=2))
+        assert isinstance(reply, p.StepReply) and len(reply.granted) == 2, reply
+        (slot, gen), (other, other_gen) = reply.granted
+        ka, kb, kc = _keys("claim", 3)
+        assert _claim(b, eb, kb, slot, gen).refused == [kb]  # a's slot, not b's
+        assert _claim(a, ea, ka, slot, gen + 1).refused == [ka]  # not the granted generation
+        assert a.probe([ka, kb]) == [KeyStatus.MISS] * 2  # neither claim took the slot
+        # The slot is still a's, at its generation: its claim and commit go through.
+        assert _claim(a, ea, ka, slot, gen).refused == []
+        assert a.probe([ka]) == [KeyStatus.HIT_PENDING]
+        # A commit must name the claimed slot at its generation too.
+        done = a.call(p.Step(rid=a.rid(), engine=ea, epoch=0,
+                             commits=[p.SlotRef(key=ka, slot=slot, gen=gen + 1)]))
+        assert isinstance(done, p.StepReply) and done.refused == [ka], done
+        assert a.probe([ka]) == [KeyStatus.HIT_PENDING]
+        done = a.call(p.Step(rid=a.rid(), engine=ea, epoch=0,
+                             commits=[p.SlotRef(key=ka, slot=slot, gen=gen)]))
+        assert isinstance(done, p.StepReply) and done.refused == [], done
+        assert a.probe([ka]) == [KeyStatus.HIT]
+        assert _claim(b, eb, kc, other, other_gen).refused == [kc]  # a's other slot: still refused
+        a.close()
+        b.close()
