@@ -224,6 +224,11 @@ MUTANTS = [
            "if slot != ref.slot or slot not in client.pending:",
            (STEPS + "test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes"
             "_nothing",)),
+    Mutant("an engine hands back another engine's reserved slot", "daemon/control/steps.py",
+           "            if ref.slot in client.reserved:\n                client.reserved.discard(ref.slot)",
+           "            if True:\n                client.reserved.discard(ref.slot)",
+           (STEPS + "test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes"
+            "_nothing",)),
     Mutant("pinned blocks evicted", "daemon/store/index.py",
            "return self.state[slot] == SlotState.READY and self.pins[slot] == 0",
            "return self.state[slot] == SlotState.READY",

@@ -73,7 +73,8 @@ def _claim(c: DaemonClient, engine: int, key: bytes, slot: int, gen: int) -> p.S
 def test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes_nothing(
         tmp_path) -> None:
     """Two writers in one slot start here: a claim must name a slot granted to this engine,
-    at the generation it was granted at (a stale grant, a neighbour's slot: refused)."""
+    at the generation it was granted at (a stale grant, a neighbour's slot: refused), and only
+    the engine granted a slot may hand it back."""
     with run_daemon(tmp_path, pool_bytes=SLOTS * 1024, slot_bytes=1024) as d:
         a, b = (DaemonClient(d.control, timeout_ms=5000) for _ in range(2))
         ea, eb = a.register(GEOMETRY).engine, b.register(GEOMETRY).engine
@@ -84,6 +85,10 @@ def test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes_not
         assert _claim(b, eb, kb, slot, gen).refused == [kb]  # a's slot, not b's
         assert _claim(a, ea, ka, slot, gen + 1).refused == [ka]  # not the granted generation
         assert a.probe([ka, kb]) == [KeyStatus.MISS] * 2  # neither claim took the slot
+        # Nor can b hand a's slot back to the pool (it would go to a third writer).
+        back = b.call(p.Step(rid=b.rid(), engine=eb, epoch=0,
+                             unreserve=[p.SlotRef(key=b"", slot=slot, gen=gen)]))
+        assert isinstance(back, p.StepReply), back
         # The slot is still a's, at its generation: its claim and commit go through.
         assert _claim(a, ea, ka, slot, gen).refused == []
         assert a.probe([ka]) == [KeyStatus.HIT_PENDING]
