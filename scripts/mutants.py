@@ -224,11 +224,26 @@ MUTANTS = [
            "if slot != ref.slot or slot not in client.pending:",
            (STEPS + "test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes"
             "_nothing",)),
+    # A commit makes bytes loadable, an abort frees the slot: only the store's own client.
+    Mutant("another engine's Step commit closes a store", "daemon/control/steps.py",
+           "if slot != ref.slot or slot not in client.pending or idx.gen[slot] != ref.gen:",
+           "if slot != ref.slot or idx.gen[slot] != ref.gen:",
+           (STEPS + "test_only_the_client_holding_a_store_closes_it",)),
+    Mutant("another client's CommitStore closes a store", "daemon/control/service.py",
+           "            if slot is None or slot not in client.pending:\n"
+           "                continue  # not a store of this client's",
+           "            if slot is None:\n                continue  # not a store of this client's",
+           (STEPS + "test_only_the_client_holding_a_store_closes_it",)),
     Mutant("an engine hands back another engine's reserved slot", "daemon/control/steps.py",
            "            if ref.slot in client.reserved:\n                client.reserved.discard(ref.slot)",
            "            if True:\n                client.reserved.discard(ref.slot)",
            (STEPS + "test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes"
             "_nothing",)),
+    Mutant("an engine handle used by a client that did not register it",
+           "daemon/control/service.py",
+           "if engine is not None and engine not in client.engines:", "if False:",
+           ("tests/daemon/control/test_errors.py::test_an_engine_handle_another_client"
+            "_registered_is_not_this_clients",)),
     Mutant("pinned blocks evicted", "daemon/store/index.py",
            "return self.state[slot] == SlotState.READY and self.pins[slot] == 0",
            "return self.state[slot] == SlotState.READY",

@@ -127,3 +127,22 @@ def test_hashes_that_cannot_cover_the_request(daemon) -> None:
     assert exc.value.code == p.ErrorCode.BAD_REQUEST and "'s'" in exc.value.message
     assert c.lookup([query()])[0].hit_tokens == 0
     c.close()
+
+
+def test_an_engine_handle_another_client_registered_is_not_this_clients(daemon) -> None:
+    """Handles are per client: one client using another's names that client's namespace
+    (another model's blocks, its stores): refused, nothing stored or read there."""
+    a, b = (DaemonClient(daemon.control, timeout_ms=5000) for _ in range(2))
+    mine = a.register(EXAMPLE).engine
+    other = Geometry(namespace="another model", groups=EXAMPLE.groups,
+                     tokens_per_hash=EXAMPLE.tokens_per_hash)
+    assert b.register(other).engine != mine  # b has a handle of its own, to another namespace
+    keys = [make_key(H[5], 0)]
+    item = p.StoreItem(key=keys[0], end_token=16)
+    for msg in (p.PrepareStore(rid=b.rid(), engine=mine, items=[item]),
+                p.Step(rid=b.rid(), engine=mine, epoch=0, reserve=1),
+                p.Lookup(rid=b.rid(), engine=mine, queries=[query()])):
+        assert _error(b.call(msg)).code == p.ErrorCode.NOT_REGISTERED
+    assert a.stats()["pending"] == 0 and a.stats()["ready"] == 0  # nothing stored or held
+    a.close()
+    b.close()

@@ -104,3 +104,32 @@ def test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes_not
         assert _claim(b, eb, kc, other, other_gen).refused == [kc]  # a's other slot: still refused
         a.close()
         b.close()
+
+
+def test_only_the_client_holding_a_store_closes_it(tmp_path) -> None:
+    """A commit marks bytes loadable: another client's commit (or abort) of a store still
+    being written would hand half-written bytes to readers, or its slot to a second writer.
+    Both paths: the engines' ``Step`` and the plain ``CommitStore``."""
+    with run_daemon(tmp_path, pool_bytes=SLOTS * 1024, slot_bytes=1024) as d:
+        a, b = (DaemonClient(d.control, timeout_ms=5000) for _ in range(2))
+        ea, eb = a.register(GEOMETRY).engine, b.register(GEOMETRY).engine
+        reply = a.call(p.Step(rid=a.rid(), engine=ea, epoch=0, reserve=1))
+        assert isinstance(reply, p.StepReply) and len(reply.granted) == 1, reply
+        (slot, gen), = reply.granted
+        ka, kp = _keys("close", 2)
+        assert _claim(a, ea, ka, slot, gen).refused == []  # a's store, in a's slot
+        grant = a.prepare_store([p.StoreItem(key=kp, end_token=16)])  # a's, the plain way
+        assert grant.outcomes == [p.StoreOutcome.GRANTED], grant
+        ref = p.SlotRef(key=ka, slot=slot, gen=gen)
+        for field in ("commits", "aborts"):
+            other = b.call(p.Step(rid=b.rid(), engine=eb, epoch=0, **{field: [ref]}))
+            assert isinstance(other, p.StepReply) and other.refused == [ka], other
+        for ok in (True, False):
+            assert b.commit_store([ka, kp], ok=ok) == 0
+        assert a.probe([ka, kp]) == [KeyStatus.HIT_PENDING] * 2  # still a's, still PENDING
+        done = a.call(p.Step(rid=a.rid(), engine=ea, epoch=0, commits=[ref]))
+        assert isinstance(done, p.StepReply) and done.refused == [], done
+        assert a.commit_store([kp]) == 1
+        assert a.probe([ka, kp]) == [KeyStatus.HIT] * 2
+        a.close()
+        b.close()
