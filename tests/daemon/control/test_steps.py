@@ -1,6 +1,8 @@
 """The ``Step`` handler (daemon/control/steps.py), through a daemon process: a READY block the
 engine names in ``touches`` (vLLM offered it to store again: a request reused it) is most
-recently used, so the pool's next eviction takes another block."""
+recently used, so the pool's next eviction takes another block; and a Step changes only what
+its own client holds (claims, commits, aborts, hand-backs of slots granted to another engine
+or at another generation are refused), as ``CommitStore`` does."""
 
 from __future__ import annotations
 
