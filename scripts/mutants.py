@@ -244,6 +244,30 @@ MUTANTS = [
            "if engine is not None and engine not in client.engines:", "if False:",
            ("tests/daemon/control/test_errors.py::test_an_engine_handle_another_client"
             "_registered_is_not_this_clients",)),
+    # A client without the writers' lock copies in its own process: its slots wait a lease.
+    Mutant("a lockless client's stores reused at once when its lease ends",
+           "daemon/control/upkeep.py",
+           "fence_s = client.lease_ms / 1000 if fence else 0.0", "fence_s = 0.0",
+           ("tests/daemon/test_server.py::test_dead_writer_pending_store_is_released_after"
+            "_lease",)),
+    # A lower tier's copy is checked before it is promoted into the pool.
+    Mutant("a disk block's data checksum ignored", "daemon/tiers/disk/files.py",
+           "    if zlib.crc32(buf) != dcrc:", "    if False:",
+           ("tests/daemon/tiers/test_disk.py::test_corrupt_file_is_a_counted_miss",)),
+    Mutant("a disk block file under another key's name loaded", "daemon/tiers/disk/files.py",
+           "    if key is not None and fkey != key:", "    if False:",
+           ("tests/daemon/tiers/test_disk.py::test_a_file_in_another_keys_place_is_a_counted"
+            "_miss",)),
+    Mutant("another namespace's disk block file loaded", "daemon/tiers/disk/files.py",
+           '        raise CorruptBlock("namespace hash mismatch")', "        pass",
+           ("tests/daemon/tiers/test_disk.py::test_another_namespaces_file_is_a_counted_miss",)),
+    Mutant("a Mooncake value's checksum ignored", "daemon/tiers/mooncake/values.py",
+           "            or zlib.crc32(body) != crc):", "            or False):",
+           ("tests/daemon/tiers/test_mooncake.py::test_value_format_round_trip_and_checks",)),
+    Mutant("a worker keeps its mapping of a pool file the daemon replaced",
+           "connector/transfer/pool_map.py",
+           "            return self.wait_ready().same_file(path, size)", "            return True",
+           (VLLM + "test_worker.py::test_pool_mapped_at_creation_and_kept_across_restart",)),
     Mutant("pinned blocks evicted", "daemon/store/index.py",
            "return self.state[slot] == SlotState.READY and self.pins[slot] == 0",
            "return self.state[slot] == SlotState.READY",

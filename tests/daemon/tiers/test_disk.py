@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from kvoffload.connector.client import DaemonClient
-from kvoffload.daemon.base import KeyStatus, make_key
+from kvoffload.daemon.base import Geometry, KeyStatus, make_key
 from kvoffload.daemon.control import protocol as p
 
 from tests.daemon.test_server import EXAMPLE, H, query
@@ -155,6 +155,47 @@ def test_corrupt_file_is_a_counted_miss(tmp_path, disk) -> None:
                 f.write_bytes(f.read_bytes()[:100])
         assert client.lookup([query()], wait_ms=2000)[0].hit_tokens == 0
         wait_for(lambda: metric(d, "kvoffload_tier_corrupt_total") >= 3)
+
+
+def _file_of(disk: Path, key: bytes) -> Path:
+    name = f"{hashlib.blake2b(key, digest_size=16).hexdigest()}.kvb"
+    found = [f for f in files(disk) if f.name == name]
+    assert len(found) == 1, found  # one namespace's so far
+    return found[0]
+
+
+def test_a_file_in_another_keys_place_is_a_counted_miss(tmp_path, disk) -> None:
+    """A whole, well-formed block file under another key's name (copied there, restored from a
+    backup, a collision of the file name) names its own key inside: never loaded as that one."""
+    with start(tmp_path, disk) as d, attach(d) as (client, pool):
+        evict_a(client, pool, disk)
+        wait_for(lambda: metric(d, "kvoffload_tier_bytes", state="writing") == 0)
+        first, second = _file_of(disk, A[0]), _file_of(disk, A[1])
+        second.write_bytes(first.read_bytes())  # A[1]'s name, A[0]'s block
+        assert client.lookup([query()], wait_ms=2000)[0].hit_tokens == 0
+        wait_for(lambda: metric(d, "kvoffload_tier_corrupt_total") >= 1)
+        assert client.probe([A[1]]) == [KeyStatus.MISS]
+
+
+def test_another_namespaces_file_is_a_counted_miss(tmp_path, disk) -> None:
+    """The same key in another namespace (another model: the same tokens, other bytes) has a
+    file of the same name in that namespace's folder; moved into ours, it is not ours."""
+    other = Geometry(namespace="another model", groups=EXAMPLE.groups,
+                     tokens_per_hash=EXAMPLE.tokens_per_hash)
+    with start(tmp_path, disk) as d, attach(d) as (client, pool):
+        theirs = DaemonClient(d.control, timeout_ms=5000)
+        theirs.register(other)
+        evict_a(theirs, pool, disk)  # A in their namespace, then on disk
+        wait_for(lambda: metric(d, "kvoffload_tier_bytes", state="writing") == 0)
+        their_file = _file_of(disk, A[1])
+        evict_a(client, pool, disk)  # A in ours, on disk too, in our namespace's folder
+        wait_for(lambda: metric(d, "kvoffload_tier_bytes", state="writing") == 0)
+        ours = [f for f in files(disk) if f.name == their_file.name and f != their_file]
+        assert len(ours) == 1 and ours[0].parent.parent != their_file.parent.parent
+        ours[0].write_bytes(their_file.read_bytes())
+        assert client.lookup([query()], wait_ms=2000)[0].hit_tokens == 0
+        wait_for(lambda: metric(d, "kvoffload_tier_corrupt_total") >= 1)
+        theirs.close()
 
 
 def test_disk_size_bound(tmp_path, disk) -> None:
