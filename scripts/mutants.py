@@ -261,6 +261,23 @@ MUTANTS = [
     Mutant("another namespace's disk block file loaded", "daemon/tiers/disk/files.py",
            '        raise CorruptBlock("namespace hash mismatch")', "        pass",
            ("tests/daemon/tiers/test_disk.py::test_another_namespaces_file_is_a_counted_miss",)),
+    # A warm restart trusts a journaled block only if its slot still holds its bytes.
+    Mutant("a restored block's slot checksum ignored", "daemon/state/snapshot.py",
+           "        if crc == e.crc:", "        if True:",
+           ("tests/daemon/state/test_journal.py::test_validation_discards_bad_slots",)),
+    Mutant("a restart restores two keys into one slot", "daemon/state/snapshot.py",
+           "        elif not 0 <= e.slot < pool.num_slots or e.slot in seen:",
+           "        elif not 0 <= e.slot < pool.num_slots:",
+           ("tests/daemon/state/test_journal.py::test_validation_trusts_no_slot_twice_and_no"
+            "_other_slot_size",)),
+    Mutant("a restart trusts a journal of another slot size", "daemon/state/snapshot.py",
+           "    if state.slot_bytes != pool.slot_bytes:", "    if False:",
+           ("tests/daemon/state/test_journal.py::test_validation_trusts_no_slot_twice_and_no"
+            "_other_slot_size",)),
+    Mutant("a checksum journaled for a slot dropped while it was read", "daemon/state/journal.py",
+           "                if self._gen.get(slot, 0) != gen:", "                if False:",
+           ("tests/daemon/state/test_journal.py::test_checksum_voided_when_slot_dropped"
+            "_meanwhile",)),
     Mutant("a Mooncake value's checksum ignored", "daemon/tiers/mooncake/values.py",
            "            or zlib.crc32(body) != crc):", "            or False):",
            ("tests/daemon/tiers/test_mooncake.py::test_value_format_round_trip_and_checks",)),

@@ -172,6 +172,30 @@ def test_validation_discards_bad_slots(tmp_path: Path, pool_path: str) -> None:
     other.pool.close(remove=False)
 
 
+def test_validation_trusts_no_slot_twice_and_no_other_slot_size(tmp_path: Path,
+                                                                   pool_path: str) -> None:
+    """Crafted or damaged state that the checksums alone would pass: a second key claiming a
+    slot whose journaled checksum it copied, and a header with another slot size over bytes
+    that still match. Neither is restored."""
+    index = make_index(pool_path)
+    index.configure(SLOT)
+    journal = jn.recover_state(tmp_path, index, CollectorRegistry())
+    keys = fill(index, 3)
+    journal.close()
+    state = js.load_state(tmp_path)
+    assert len(state.live) == 3
+    first = next(e for e in state.live.values() if e.key == keys[0])
+    twin = make_key((99).to_bytes(8, "big"), 0)  # another key, the same slot and checksum
+    state.live[(first.ns, twin)] = js.Entry(first.ns, twin, first.slot, 16, False, first.crc)
+    rec = js.validate(state, index.pool)
+    assert len(rec.good) == 3 and rec.discarded == {"slot_range": 1}
+    assert len({e.slot for _, e in rec.good}) == 3  # one key per slot
+    state.slot_bytes = 2 * SLOT  # every checksum still matches the pool's bytes
+    rec = js.validate(state, index.pool)
+    assert rec.good == [] and rec.discarded == {"slot_size_mismatch": 4}
+    index.pool.close(remove=True)
+
+
 def test_checksum_voided_when_slot_dropped_meanwhile(tmp_path: Path, pool_path: str) -> None:
     """A commit whose slot was dropped before its checksum was taken is never journaled."""
     index = make_index(pool_path)
