@@ -123,8 +123,9 @@ def test_only_the_client_holding_a_store_closes_it(tmp_path) -> None:
         grant = a.prepare_store([p.StoreItem(key=kp, end_token=16)])  # a's, the plain way
         assert grant.outcomes == [p.StoreOutcome.GRANTED], grant
         ref = p.SlotRef(key=ka, slot=slot, gen=gen)
-        for field in ("commits", "aborts"):
-            other = b.call(p.Step(rid=b.rid(), engine=eb, epoch=0, **{field: [ref]}))
+        for step in (p.Step(rid=b.rid(), engine=eb, epoch=0, commits=[ref]),
+                     p.Step(rid=b.rid(), engine=eb, epoch=0, aborts=[ref])):
+            other = b.call(step)
             assert isinstance(other, p.StepReply) and other.refused == [ka], other
         for ok in (True, False):
             assert b.commit_store([ka, kp], ok=ok) == 0

@@ -149,12 +149,18 @@ def test_corrupt_record_ignored(tmp_path: Path) -> None:
     assert state.skipped == 1
 
 
-def test_validation_discards_bad_slots(tmp_path: Path, pool_path: str) -> None:
+def journaled(state_dir: Path, pool_path: str, n: int) -> tuple[BlockIndex, list[bytes]]:
+    """An index whose ``n`` committed blocks the journal has written out (and closed)."""
     index = make_index(pool_path)
     index.configure(SLOT)
-    journal = jn.recover_state(tmp_path, index, CollectorRegistry())
-    keys = fill(index, 8)
+    journal = jn.recover_state(state_dir, index, CollectorRegistry())
+    keys = fill(index, n)
     journal.close()
+    return index, keys
+
+
+def test_validation_discards_bad_slots(tmp_path: Path, pool_path: str) -> None:
+    index, keys = journaled(tmp_path, pool_path, 8)
     ns = index.namespace(GEOM)
     with index.pool.view(ns.keys[keys[2]]) as mv:
         mv[100] ^= 0xFF  # one corrupted byte in one slot
@@ -177,11 +183,7 @@ def test_validation_trusts_no_slot_twice_and_no_other_slot_size(tmp_path: Path,
     """Crafted or damaged state that the checksums alone would pass: a second key claiming a
     slot whose journaled checksum it copied, and a header with another slot size over bytes
     that still match. Neither is restored."""
-    index = make_index(pool_path)
-    index.configure(SLOT)
-    journal = jn.recover_state(tmp_path, index, CollectorRegistry())
-    keys = fill(index, 3)
-    journal.close()
+    index, keys = journaled(tmp_path, pool_path, 3)
     state = js.load_state(tmp_path)
     assert len(state.live) == 3
     first = next(e for e in state.live.values() if e.key == keys[0])
