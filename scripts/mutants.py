@@ -285,6 +285,29 @@ MUTANTS = [
            "connector/transfer/pool_map.py",
            "            return self.wait_ready().same_file(path, size)", "            return True",
            (VLLM + "test_worker.py::test_pool_mapped_at_creation_and_kept_across_restart",)),
+    # Not bytes but loads: the daemon frees a retired slot only past every busy reader.
+    Mutant("a step's index read never marked busy in its reader record", "connector/session.py",
+           "        record.write(True, view.applied, self._sent)  # busy from before the read on\n",
+           "        record.write(False, view.applied, self._sent)  # busy from before the read on\n",
+           ("tests/connector/test_session.py",),
+           more=(("connector/session.py",
+                  "        if view.refresh():  # the record holds the epoch read past: only a move"
+                  " needs it\n            record.write(True, view.applied, self._sent)",
+                  "        if view.refresh():  # the record holds the epoch read past: only a move"
+                  " needs it\n            record.write(False, view.applied, self._sent)"),)),
+    Mutant("a message mid-step ends the step's busy mark", "connector/session.py",
+           "        busy = self._busy and not end_of_step", "        busy = False",
+           ("tests/connector/test_session.py",)),
+    Mutant("a few records' refresh takes another namespace's entries", "connector/view_few.py",
+           "            if ens == ns and lo <= state <= hi and keylen > 0:",
+           "            if lo <= state <= hi and keylen > 0:",
+           ("tests/connector/test_view_few.py::test_entry_by_entry_refreshes_leave_the_view_as"
+            "_the_loop_does",)),
+    Mutant("a refresh takes another namespace's entries", "connector/index_view.py",
+           'return (rows["ns"] == self.namespace) & (rows["state"] >= si.PENDING)',
+           'return (rows["state"] >= si.PENDING)',
+           ("tests/connector/test_index_view.py::test_after_every_budgeted_refresh_nothing_held"
+            "_is_stale",)),
     Mutant("pinned blocks evicted", "daemon/store/index.py",
            "return self.state[slot] == SlotState.READY and self.pins[slot] == 0",
            "return self.state[slot] == SlotState.READY",
