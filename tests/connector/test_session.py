@@ -21,6 +21,12 @@ GEOMETRY = Geometry(namespace="session", groups=(
     tokens_per_hash=16)
 
 
+def _read(record: SessionFile) -> tuple[int, int, int]:
+    got = record.read()
+    assert got is not None  # only a record mid-write reads None, and nobody writes it now
+    return got
+
+
 def test_a_step_is_busy_in_the_reader_record_at_the_epoch_it_read_until_its_step_goes(
         tmp_path: Path) -> None:
     """Busy while the step decides from the index (what it answered HIT may be loaded), at
@@ -37,13 +43,13 @@ def test_a_step_is_busy_in_the_reader_record_at_the_epoch_it_read_until_its_step
             grant = other.prepare_store([p.StoreItem(key=k, end_token=16) for k in keys])
             assert grant.outcomes == [p.StoreOutcome.GRANTED] * 3
             assert other.commit_store(keys) == 3
-            busy, epoch, _ = record.read() or (None, None, None)
+            busy, epoch, _ = _read(record)
             assert busy == 0 and epoch < engine.view.head()  # idle, the commits not read yet
 
             assert engine.begin() is not None  # the step's first lookup
             view = engine.view
             assert all(view.ready.get(k) is not None for k in keys)  # it reads them READY
-            busy, epoch, sent = record.read() or (None, None, None)
+            busy, epoch, sent = _read(record)
             assert busy == 1 and epoch == view.applied
 
             def step(rid: int, eng: int, ep: int) -> p.Step:
@@ -52,10 +58,10 @@ def test_a_step_is_busy_in_the_reader_record_at_the_epoch_it_read_until_its_step
             # A message mid-step (a reservation top-up) leaves the step busy: its pins, sent
             # at its end, are still protected by the epoch it read.
             assert engine.send(step, end_of_step=False, sync=True) is not None
-            busy, epoch, sent2 = record.read() or (None, None, None)
+            busy, epoch, sent2 = _read(record)
             assert busy == 1 and epoch == view.applied and sent2 == sent + 1
             assert engine.send(step, end_of_step=True) is not None
-            busy, epoch, sent3 = record.read() or (None, None, None)
+            busy, epoch, sent3 = _read(record)
             assert busy == 0 and epoch == view.applied and sent3 == sent + 2
             record.close(remove=False)
         finally:
