@@ -308,6 +308,31 @@ MUTANTS = [
            'return (rows["state"] >= si.PENDING)',
            ("tests/connector/test_index_view.py::test_after_every_budgeted_refresh_nothing_held"
             "_is_stale",)),
+    # Not bytes but who may reach them: the pool and index files are the daemon's alone.
+    Mutant("a pool file with another hard link reused", "daemon/store/private_files.py",
+           "        elif st.st_nlink != 1:", "        elif False:",
+           ("tests/daemon/test_pool_files.py::test_a_pool_file_with_another_name_is_refused",)),
+    Mutant("a symlink at the index path followed", "daemon/store/private_files.py",
+           "    if stat.S_ISLNK(st.st_mode):\n        raise PrivateFileError(f\"{setting} {path}: "
+           "the {what} is a symlink; refusing to follow \"",
+           "    if False:\n        raise PrivateFileError(f\"{setting} {path}: "
+           "the {what} is a symlink; refusing to follow \"",
+           ("tests/daemon/test_pool_files.py::test_a_planted_index_file_stops_the_start_and_is"
+            "_left_alone[symlink]",)),
+    Mutant("a pool file another user created reused", "daemon/store/private_files.py",
+           "        elif st.st_uid != os.geteuid():", "        elif False:",
+           ("tests/daemon/test_startup.py::test_pool_file_another_user_created_is_refused",)),
+    Mutant("a file without kvoffload's mark taken for ours", "daemon/store/private_files.py",
+           "    if has_mark(fd, kind) or (legacy is not None and legacy(fd, os.fstat(fd))):\n"
+           "        return",
+           "    return",
+           ("tests/daemon/test_pool_files.py::test_a_planted_index_file_stops_the_start_and_is"
+            "_left_alone[unmarked]",)),
+    Mutant("a namespace reset without the sole client's or the operator's right",
+           "daemon/control/service.py",
+           '        if msg.scope == "namespace" or client.owner == 0:', "        if False:",
+           ("tests/daemon/control/test_quotas.py::test_namespace_reset_needs_sole_client_or"
+            "_operator_credential",)),
     Mutant("pinned blocks evicted", "daemon/store/index.py",
            "return self.state[slot] == SlotState.READY and self.pins[slot] == 0",
            "return self.state[slot] == SlotState.READY",

@@ -13,7 +13,10 @@ from pathlib import Path
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> \
         subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    # The daemon's settings stay out (each test names its own); a mutant run's scratch copy
+    # (scripts/mutants.py) stays in, or the CLI would run the unmutated checkout.
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("KVOFFLOAD_") or k == "KVOFFLOAD_MUTANT_ROOT"}
     return subprocess.run([sys.executable, "-m", "kvoffload", *args], capture_output=True,
                           text=True, timeout=timeout, env={**clean, **(env or {})})
 
