@@ -56,6 +56,11 @@ MUTANTS = [
            "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)", "pass",
            (VLLM + "test_frozen_engines.py::test_a_frozen_writers_late_store_never_overwrites"
             "_another_writers_block[copy]",)),
+    Mutant("the manager's store spec names no writers' lock", "connector/vllm/manager.py",
+           '        lock = self.session.reg.readers_path if self.session.reg is not None else ""',
+           '        lock = ""',
+           (VLLM + "test_frozen_engines.py::test_a_frozen_writers_late_store_never_overwrites"
+            "_another_writers_block[copy]",)),
     Mutant("revoked grants not quarantined", "daemon/store/index.py",
            "self.reclaimer.quarantine(writers, [slot])", "self.pool.free(slot)",
            ("tests/daemon/control/test_quarantine.py",)),
