@@ -205,8 +205,8 @@ MUTANTS = [
     # Not bytes but stores: a reservation that does not follow the step's demand drops keys.
     Mutant("the store reservation ignores the steps' demand", "connector/vllm/reservation.py",
            "        return max(self.floor, HEADROOM * peak)", "        return self.floor",
-           (VLLM + "test_long_prompts.py::test_continuous_chat_at_2048_tokens_per_step_drops"
-            "_no_store",)),
+           (VLLM + "test_long_prompts.py::test_a_128k_prompt_hits_what_vllms_own_manager"
+            "_hits",)),
     # Not bytes but stores: keys vLLM offers once, dropped at a ramp, are never loadable.
     Mutant("a ramp's once-offered keys dropped, not topped up", "connector/vllm/manager.py",
            "            self._top_up(len(new))  # offered once only: the bounded wait of a ramp",

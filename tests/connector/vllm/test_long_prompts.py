@@ -103,6 +103,9 @@ def test_a_128k_prompt_hits_what_vllms_own_manager_hits(tmp_path: Path,
     assert checked["loads"] == 1 and checked["wrong"] == 0 and not ours.failed_loads
     assert checked["computed"] == LONG - hit
     assert counters["stores_short_reservation"] == 0, counters
+    # ... and no step waited for slots: the reservation grew to the prefill's demand ahead
+    # of it (only a step whose demand outgrew that would wait, ``_top_up``).
+    assert counters.get("reserve_waits", 0) == 0, counters
     # The first prefill step offers 512 keys against the 64 reserved at start: one step later
     # they are stored; the reservation has grown to the demand and nothing defers again.
     assert counters["stores_deferred"] <= CHUNK // 16, counters
