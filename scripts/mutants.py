@@ -234,6 +234,16 @@ MUTANTS = [
            "if slot != ref.slot or slot not in client.pending:",
            (STEPS + "test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes"
             "_nothing",)),
+    Mutant("a claim of a key stored meanwhile takes a second slot", "daemon/store/index.py",
+           "            return None\n        if key in ns.keys:\n            return False\n"
+           "        del self.reserved_by[slot]",
+           "            return None\n        del self.reserved_by[slot]",
+           (STEPS + "test_a_claim_of_a_key_stored_meanwhile_is_answered_exists_and_keeps_its"
+            "_slot",)),
+    Mutant("a store of a key stored meanwhile takes a second slot", "daemon/store/index.py",
+           "        if key in ns.keys:\n            return Prepared(None, True, [])",
+           "        if False:\n            return Prepared(None, True, [])",
+           ("tests/daemon/store/test_index.py::test_no_room_when_all_pending_or_pinned",)),
     # A commit makes bytes loadable, an abort frees the slot: only the store's own client.
     Mutant("another engine's Step commit closes a store", "daemon/control/steps.py",
            "if slot != ref.slot or slot not in client.pending or idx.gen[slot] != ref.gen:",

@@ -2,7 +2,8 @@
 engine names in ``touches`` (vLLM offered it to store again: a request reused it) is most
 recently used, so the pool's next eviction takes another block; and a Step changes only what
 its own client holds (claims, commits, aborts, hand-backs of slots granted to another engine
-or at another generation are refused), as ``CommitStore`` does."""
+or at another generation are refused), as ``CommitStore`` does; a key claimed twice keeps
+its one slot (the second claim is ``exists``)."""
 
 from __future__ import annotations
 
@@ -134,5 +135,35 @@ def test_only_the_client_holding_a_store_closes_it(tmp_path) -> None:
         assert isinstance(done, p.StepReply) and done.refused == [], done
         assert a.commit_store([kp]) == 1
         assert a.probe([ka, kp]) == [KeyStatus.HIT] * 2
+        a.close()
+        b.close()
+
+
+def test_a_claim_of_a_key_stored_meanwhile_is_answered_exists_and_keeps_its_slot(
+        tmp_path) -> None:
+    """Two engines prefill the same prompt: the second claim of a key finds it stored (or
+    being stored) and is answered ``exists``; the key keeps its one slot and the second
+    engine keeps its slot for its next store (one key, one slot, ever)."""
+    with run_daemon(tmp_path, pool_bytes=SLOTS * 1024, slot_bytes=1024) as d:
+        a, b = (DaemonClient(d.control, timeout_ms=5000) for _ in range(2))
+        ea, eb = a.register(GEOMETRY).engine, b.register(GEOMETRY).engine
+        grants = []
+        for c, e in ((a, ea), (b, eb)):
+            reply = c.call(p.Step(rid=c.rid(), engine=e, epoch=0, reserve=1))
+            assert isinstance(reply, p.StepReply) and len(reply.granted) == 1, reply
+            grants.append(reply.granted[0])
+        (sa, ga), (sb, gb) = grants
+        key, other = _keys("twice", 2)
+        assert _claim(a, ea, key, sa, ga).refused == []
+        answer = _claim(b, eb, key, sb, gb)  # while a's store is in flight
+        assert answer.exists == [key] and answer.refused == [], answer
+        ok = a.call(p.Step(rid=a.rid(), engine=ea, epoch=0,
+                           commits=[p.SlotRef(key=key, slot=sa, gen=ga)]))
+        assert isinstance(ok, p.StepReply) and ok.refused == [], ok
+        answer = _claim(b, eb, key, sb, gb)  # once it is READY
+        assert answer.exists == [key] and answer.refused == [], answer
+        assert a.probe([key]) == [KeyStatus.HIT]
+        assert a.pin_load([key]) == [sa]  # a's slot: the one a's bytes are in
+        assert _claim(b, eb, other, sb, gb).refused == []  # b's slot is still b's to use
         a.close()
         b.close()
