@@ -188,6 +188,14 @@ MUTANTS = [
            "        elif by_name.setdefault(g.namespace, g) != g:",
            "        elif False:",
            ("tests/daemon/state/test_bad_state_dir.py",)),
+    # Not bytes but stores: only keys vLLM offers again may be deferred a step.
+    Mutant("a key vLLM offers once deferred (never offered again: lost)",
+           "connector/vllm/manager.py",
+           "            if res.covers(len(new)) and offered_again(self.requests.get(req_context"
+           ".req_id),\n                                                      new, req_context,"
+           " self._cow, self._block):",
+           "            if res.covers(len(new)):",
+           (VLLM + "test_long_prompts.py::test_a_ramp_of_tails_offered_once_drops_none",)),
     # Not bytes but stores: a reservation that does not follow the step's demand drops keys.
     Mutant("the store reservation ignores the steps' demand", "connector/vllm/reservation.py",
            "        return max(self.floor, HEADROOM * peak)", "        return self.floor",
@@ -250,6 +258,12 @@ MUTANTS = [
            "if engine is not None and engine not in client.engines:", "if False:",
            ("tests/daemon/control/test_errors.py::test_an_engine_handle_another_client"
             "_registered_is_not_this_clients",)),
+    Mutant("a dead client's lease never ends (its pins and stores held forever)",
+           "daemon/control/leases.py",
+           "            if c.expires_at() > now:\n                continue",
+           "            if True:\n                continue",
+           ("tests/daemon/test_server.py::test_dead_writer_pending_store_is_released_after"
+            "_lease",)),
     # A client without the writers' lock copies in its own process: its slots wait a lease.
     Mutant("a lockless client's stores reused at once when its lease ends",
            "daemon/control/upkeep.py",
