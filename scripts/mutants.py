@@ -75,6 +75,9 @@ def main() -> int:
     ap.add_argument("--python", default=sys.executable)
     args = ap.parse_args()
     chosen = [m for m in MUTANTS if m.tests and args.k in m.name]
+    if not chosen:  # a mistyped -k would otherwise read as "0 survived", a pass
+        print(f"no mutant's name contains {args.k!r} (scripts/mutant_list.py)", file=sys.stderr)
+        return 2
     tree = _scratch()
     survived = []
     try:
