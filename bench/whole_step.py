@@ -157,7 +157,8 @@ def _paired(drivers: dict[str, Inflight], burst_at: set[int]) -> dict[str, float
 
     def excess(first: int) -> float:
         window = [diffs[i] for at in burst_at
-                  for i in range(max(WARMUP, at + first), min(len(diffs), at + first + AFTER_BURST))]
+                  for i in range(max(WARMUP, at + first),
+                                 min(len(diffs), at + first + AFTER_BURST))]
         return round((max(window) - steady) * 1e3, 3)
 
     return {"paired_excess_ms": excess(0), "control_ms": excess(-AFTER_BURST)}

@@ -1,8 +1,8 @@
 """Every guard that keeps bytes correct, removed one at a time: the suite must fail each time.
 
-A guard no test fails without is not a guard. Each mutant (``mutant_list.py``) removes one mechanism (a
-literal edit of one file, which must match exactly once) in a scratch copy of the checkout and
-runs the tests that cover it there; a mutant whose tests still pass *survived*, and this script
+A guard no test fails without is not a guard. Each mutant (``mutant_list.py``) removes one
+mechanism (a literal edit of one file, which must match exactly once) in a scratch copy of the
+checkout and runs the tests that cover it there; a mutant whose tests still pass *survived*, and this script
 exits 1. The copy is imported in place of the checkout through ``mutants/sitecustomize.py``
 (child processes too: the daemon, TP ranks). Run by CI after the suite:
 ``bash scripts/mutants.sh`` (``-k NAME`` runs the mutants whose name contains NAME).

@@ -66,6 +66,13 @@ def test_a_touch_of_a_bad_key_refuses_the_step(tmp_path) -> None:
         c.close()
 
 
+def _reserve(c: DaemonClient, engine: int, n: int) -> list[tuple[int, int]]:
+    """``n`` slots granted to ``engine`` (a Step's ``reserve``): (slot, generation) pairs."""
+    reply = c.call(p.Step(rid=c.rid(), engine=engine, epoch=0, reserve=n))
+    assert isinstance(reply, p.StepReply) and len(reply.granted) == n, reply
+    return reply.granted
+
+
 def _claim(c: DaemonClient, engine: int, key: bytes, slot: int, gen: int) -> p.StepReply:
     reply = c.call(p.Step(rid=c.rid(), engine=engine, epoch=0, claims=[
         p.StoreClaim(item=p.StoreItem(key=key, end_token=16), slot=slot, gen=gen)]))
@@ -81,9 +88,7 @@ def test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes_not
     with run_daemon(tmp_path, pool_bytes=SLOTS * 1024, slot_bytes=1024) as d:
         a, b = (DaemonClient(d.control, timeout_ms=5000) for _ in range(2))
         ea, eb = a.register(GEOMETRY).engine, b.register(GEOMETRY).engine
-        reply = a.call(p.Step(rid=a.rid(), engine=ea, epoch=0, reserve=2))
-        assert isinstance(reply, p.StepReply) and len(reply.granted) == 2, reply
-        (slot, gen), (other, other_gen) = reply.granted
+        (slot, gen), (other, other_gen) = _reserve(a, ea, 2)
         ka, kb, kc = _keys("claim", 3)
         assert _claim(b, eb, kb, slot, gen).refused == [kb]  # a's slot, not b's
         assert _claim(a, ea, ka, slot, gen + 1).refused == [ka]  # not the granted generation
@@ -116,9 +121,7 @@ def test_only_the_client_holding_a_store_closes_it(tmp_path) -> None:
     with run_daemon(tmp_path, pool_bytes=SLOTS * 1024, slot_bytes=1024) as d:
         a, b = (DaemonClient(d.control, timeout_ms=5000) for _ in range(2))
         ea, eb = a.register(GEOMETRY).engine, b.register(GEOMETRY).engine
-        reply = a.call(p.Step(rid=a.rid(), engine=ea, epoch=0, reserve=1))
-        assert isinstance(reply, p.StepReply) and len(reply.granted) == 1, reply
-        (slot, gen), = reply.granted
+        (slot, gen), = _reserve(a, ea, 1)
         ka, kp = _keys("close", 2)
         assert _claim(a, ea, ka, slot, gen).refused == []  # a's store, in a's slot
         grant = a.prepare_store([p.StoreItem(key=kp, end_token=16)])  # a's, the plain way
@@ -147,12 +150,8 @@ def test_a_claim_of_a_key_stored_meanwhile_is_answered_exists_and_keeps_its_slot
     with run_daemon(tmp_path, pool_bytes=SLOTS * 1024, slot_bytes=1024) as d:
         a, b = (DaemonClient(d.control, timeout_ms=5000) for _ in range(2))
         ea, eb = a.register(GEOMETRY).engine, b.register(GEOMETRY).engine
-        grants = []
-        for c, e in ((a, ea), (b, eb)):
-            reply = c.call(p.Step(rid=c.rid(), engine=e, epoch=0, reserve=1))
-            assert isinstance(reply, p.StepReply) and len(reply.granted) == 1, reply
-            grants.append(reply.granted[0])
-        (sa, ga), (sb, gb) = grants
+        (sa, ga), = _reserve(a, ea, 1)
+        (sb, gb), = _reserve(b, eb, 1)
         key, other = _keys("twice", 2)
         assert _claim(a, ea, key, sa, ga).refused == []
         answer = _claim(b, eb, key, sb, gb)  # while a's store is in flight
