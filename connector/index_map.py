@@ -4,7 +4,8 @@
 header words; its slot table is a structured array over the mapping (``ENTRY_DTYPE``).
 ``IndexView`` (``index_view.py``) is the scheduler's part. ``SlotGenerations`` is the worker's
 part: it reads slots' ident words (generation and key tag, one aligned 8-byte load each) to
-prove, after a copy, that no slot was handed to another writer while it was being read.
+prove, after a copy, that no slot was handed to another writer while it was being read, and
+(``waiting_mask``) which earmarked store slots the daemon has not handed over yet.
 """
 
 from __future__ import annotations
@@ -83,14 +84,10 @@ class SlotGenerations(Mapped):
         One aligned 8-byte load per slot (numpy's gather of an aligned u8 column): a torn
         (key, generation) pair cannot be read. The load-load fence first: the copy's reads of
         the pool are ordered before these (``fence.py``)."""
-        fence.load_load()
-        slots = np.asarray(slots, dtype=np.int64)
-        ok = (slots >= 0) & (slots < self.num_slots)
-        if self.superseded() or not ok.any():
+        read = self._idents(slots)
+        if read is None:
             return np.zeros(len(slots), dtype=bool)
-        table = self._table()
-        current = table["ident"][np.where(ok, slots, 0)]
-        del table  # no view may outlive the call: close() unmaps
+        ok, current = read
         want = np.asarray(idents).astype(np.uint64, copy=False)
         if key_bound:
             # An ident without a key tag (a caller that knows only the generation: tests and
@@ -99,3 +96,31 @@ class SlotGenerations(Mapped):
         else:
             current, want = current & _MASK, want & _MASK
         return ok & (current == want)
+
+    def waiting_mask(self, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """Which store slots granted at ``gens`` are earmarked and not handed over yet: their
+        generation is still exactly the one before the grant's (``(gen - 1) & GEN_MASK``).
+        All False when the index is superseded (nothing there is waited for any more).
+
+        The generation half of one aligned 8-byte load per slot, after the load-load fence,
+        as in ``intact_mask``. Only a hint for when to try: what the worker writes is decided
+        by ``intact_mask`` under the writers' lock."""
+        read = self._idents(slots)
+        if read is None:
+            return np.zeros(len(slots), dtype=bool)
+        ok, current = read
+        want = (np.asarray(gens).astype(np.uint64, copy=False) - np.uint64(1)) & _MASK
+        return ok & ((current & _MASK) == want)
+
+    def _idents(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(in range, ident words) of ``slots`` (0 where out of range); None when the index is
+        superseded or no slot is in range. The load-load fence comes first."""
+        fence.load_load()
+        slots = np.asarray(slots, dtype=np.int64)
+        ok = (slots >= 0) & (slots < self.num_slots)
+        if self.superseded() or not ok.any():
+            return None
+        table = self._table()
+        current = table["ident"][np.where(ok, slots, 0)]
+        del table  # no view may outlive the call: close() unmaps
+        return ok, current

@@ -119,6 +119,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # 0: no fixed number, an eighth of the pool (engines size their reservation to their
     # prefill rate; per-client quotas bound it too).
     max_reserved_slots: int = 0
+    # A full pool grants engines READY blocks for their next stores, evicted only when a
+    # store claims them (daemon/store/earmarks.py), instead of slots it empties ahead.
+    earmark_reservations: bool = True
     # Per-client quotas (docs/security.md "Quotas"): slots one client may hold at once as
     # pins, pending stores and reservations together, in percent of the pool's slots; pending
     # stores (with reservations) and pins each have their own cap too (0: the share's number).

@@ -58,6 +58,7 @@ from kvoffload.daemon.tiers.mooncake.tier import MooncakeTier
 from prometheus_client import Gauge
 
 log = logging.getLogger("kvoffload.daemon")
+HANDOVER_TICK_S = 0.001  # reclaim retries while a claimed earmark waits for readers
 
 class Server(ControlFrames, ServerStartup):
     def __init__(self, config: Config, ready_file: str | None = None) -> None:
@@ -66,6 +67,9 @@ class Server(ControlFrames, ServerStartup):
         self.metrics = DaemonMetrics()
         self.pool = Pool(config.pool_path, config.pool_bytes, prefault=config.prefault)
         self.index = BlockIndex(self.pool, config.policy)
+        self.index.earmark_reservations = config.earmark_reservations
+        self._wake = asyncio.Event()  # a claimed earmark waits for readers: reclaim soon
+        self.index.on_handover_queued = self._wake.set
         event_eps = {"events": config.events, "events_replay": config.events_replay,
                      "lookup_events": config.lookup_events, "hub": config.hub,
                      "hub_replay": config.hub_replay}
@@ -229,18 +233,25 @@ class Server(ControlFrames, ServerStartup):
 
     async def _index_heartbeat(self) -> None:
         """Engines read the daemon's liveness from the shared index, without a message; fenced
-        and retired slots whose time came are reclaimed on the same tick."""
+        and retired slots whose time came are reclaimed on the same tick. While a claimed
+        earmark waits for readers (an engine's record stays busy a moment after its Step
+        arrives: nothing is sent when it goes idle), the tick is every millisecond, so the
+        writer waiting in its copy lane gets the slot about as soon as no reader holds it."""
         while True:
             shared = self.index.shared
             if shared is not None:
                 shared.heartbeat()
                 self.index.reclaim()
+                self.index.expire_handovers()
                 # Not while draining: nothing new will be stored, and an eviction now only
                 # loses a block a warm restart would have kept.
                 if not self.service.draining and (ahead := self.index.keep_free()):
                     self.metrics.evictions.labels(self.index.policy.name, "capacity").inc(ahead)
                     self.service._update_pool_gauges()
-            await asyncio.sleep(0.1)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(),
+                                       HANDOVER_TICK_S if self.index.handovers else 0.1)
 
     async def _sweep_leases(self) -> None:
         """Expire leases, but only after reading what clients sent: a sweep that wakes late

@@ -25,6 +25,7 @@ class Mutant:
 
 VLLM = "tests/connector/vllm/"
 STEPS = "tests/daemon/control/test_steps.py::"
+EARMARKS = "tests/daemon/store/test_earmarks.py::"
 MUTANTS = [
     Mutant("post-copy generation check removed", "connector/vllm/worker.py",
            "ok = self._intact(self._pool, check[2], check[3])", "ok = True",
@@ -66,7 +67,7 @@ MUTANTS = [
            ("tests/daemon/control/test_quarantine.py::test_a_re_attached_engine_releases_its"
             "_earlier_session_at_once",)),
     Mutant("a reused pool ignores the previous daemon's writers", "daemon/store/index.py",
-           "            return None  # a previous daemon's writer may still copy into any free slot",
+           "            return True  # a previous daemon's writer may still copy into any free slot",
            "            pass",
            ("tests/daemon/state/test_restart_writers.py",)),
     Mutant("SIGTERM supersedes at once (no drain)", "daemon/server.py",
@@ -213,12 +214,14 @@ MUTANTS = [
            (VLLM + "test_tiers.py",)),
     # A claim names a slot of this engine's reservation at the generation it was granted at;
     # the commit, the claimed slot at that generation. Either check gone: two writers.
-    Mutant("a claim of another engine's reserved slot accepted", "daemon/store/index.py",
+    Mutant("a claim of another engine's reserved slot accepted",
+           "daemon/store/reservations.py",
            "or self.reserved_by.get(slot) is not holder or self.gen[slot] != gen:",
            "or self.gen[slot] != gen:",
            (STEPS + "test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes"
             "_nothing",)),
-    Mutant("a claim at a stale generation accepted", "daemon/store/index.py",
+    Mutant("a claim at a stale generation accepted",
+           "daemon/store/reservations.py",
            "or self.reserved_by.get(slot) is not holder or self.gen[slot] != gen:",
            "or self.reserved_by.get(slot) is not holder:",
            (STEPS + "test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes"
@@ -228,7 +231,8 @@ MUTANTS = [
            "if slot != ref.slot or slot not in client.pending:",
            (STEPS + "test_a_claim_of_a_slot_the_engine_was_not_granted_is_refused_and_changes"
             "_nothing",)),
-    Mutant("a claim of a key stored meanwhile takes a second slot", "daemon/store/index.py",
+    Mutant("a claim of a key stored meanwhile takes a second slot",
+           "daemon/store/reservations.py",
            "            return None\n        if key in ns.keys:\n            return False\n"
            "        del self.reserved_by[slot]",
            "            return None\n        del self.reserved_by[slot]",
@@ -378,4 +382,49 @@ MUTANTS = [
                   'name = (f"{config.model.name}|tp'),
                  ("connector/vllm/geometry.py", '_CACHE_FIELDS = ("cache_dtype", ',
                   "_CACHE_FIELDS = (")),),
+    # Earmarked reservations (daemon/store/earmarks.py, connector/vllm/parked.py).
+    Mutant("an earmark handed over before readers are past its block", "daemon/store/earmarks.py",
+           "        if self.reclaimer.readers:\n", "        if False:\n",
+           (EARMARKS + "test_a_claim_evicts_the_block_and_hands_over_only_after_readers",)),
+    Mutant("a burnt grant lands on the granted generation", "daemon/store/earmarks.py",
+           "self.gen[slot] = (self.gen[slot] + 2) & si.GEN_MASK",
+           "self.gen[slot] = (self.gen[slot] + 1) & si.GEN_MASK",
+           (EARMARKS + "test_revoked_earmarks_are_burnt_handed_back_ones_are_not",
+            "tests/daemon/control/test_step_earmarks.py::test_a_lapsed_engines_unclaimed"
+            "_earmarks_are_burnt")),
+    Mutant("a handover past its deadline", "daemon/store/earmarks.py",
+           "        if time.monotonic() > h.deadline:", "        if False:",
+           (EARMARKS + "test_reclaimed_past_the_deadline_is_burnt_not_handed_over",)),
+    Mutant("late handovers not burnt while readers hold them", "daemon/store/earmarks.py",
+           "late = [s for s, h in self.handovers.items() if now > h.deadline]", "late = []",
+           (EARMARKS + "test_past_its_deadline_a_handover_is_burnt",)),
+    Mutant("another engine's earmark claimed", "daemon/store/earmarks.py",
+           "if self.earmarks.get(slot) is not holder or gen !=", "if gen !=",
+           (EARMARKS + "test_another_holder_or_generation_is_refused_and_changes_nothing",)),
+    Mutant("a loaded earmark stays earmarked", "daemon/store/index.py",
+           "        if slot in self.earmarks:  # a load of it: not evicted while in use\n",
+           "        if False:\n",
+           (EARMARKS + "test_a_load_of_an_earmarked_block_withdraws_it_and_burns_after_the"
+            "_load",)),
+    Mutant("a reused earmark stays earmarked", "daemon/store/index.py",
+           "        if slot in self.earmarks:  # reused: kept", "        if False:  # reused: kept",
+           (EARMARKS + "test_a_touch_withdraws_an_earmark_and_burns_it_at_once",)),
+    Mutant("earmarked blocks droppable", "daemon/store/index.py",
+           "            and slot not in self.earmarks\n", "\n",
+           (EARMARKS + "test_earmarks_are_neither_dropped_nor_reset_and_count_as_reserved",),
+           more=(("daemon/store/index.py",
+                  "return self.state[slot] == SlotState.READY and self.pins[slot] == 0 \\",
+                  "return self.state[slot] == SlotState.READY and self.pins[slot] == 0"),)),
+    Mutant("an abort before the handover frees the slot", "daemon/store/index.py",
+           "        if self.cancel_handover(slot):  # not handed over yet",
+           "        if False:  # not handed over yet",
+           (EARMARKS + "test_an_abort_before_the_handover_burns_and_keeps_the_slot_retired",)),
+    Mutant("the worker's handover wait off by one", "connector/index_map.py",
+           "- np.uint64(1)) & _MASK", "- np.uint64(0)) & _MASK",
+           (VLLM + "test_worker_handover.py::test_a_store_not_handed_over_is_parked_until"
+            "_the_handover",)),
+    Mutant("the worker waits past its deadline", "connector/vllm/worker.py",
+           "if time.monotonic() < stamp + HANDOVER_WAIT_S:", "if True:",
+           (VLLM + "test_worker_handover.py::test_a_store_past_its_deadline_is_given_up_for"
+            "_good",)),
 ]

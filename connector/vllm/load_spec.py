@@ -41,15 +41,20 @@ class PoolInfo:
 
 class PoolSlotsSpec(LoadStoreSpec):
     def __init__(self, slots: list[int], pool: PoolInfo | None, gens: list[int] | None = None,
-                 req_id: str | None = None, lock: str = "") -> None:
+                 req_id: str | None = None, lock: str = "", stamp: float = 0.0) -> None:
         self.slots = slots
         self.pool = pool
         self.gens = gens if gens is not None else [0] * len(slots)
         self.req_id = req_id  # loads: the request a failed copy is reported for
         self.lock = lock  # stores: the writers' lock of the session that holds the grants
+        # stores: time.monotonic() when the manager took the slots, the stamp its claims carry:
+        # an earmarked slot not handed over yet is waited for until stamp + HANDOVER_WAIT_S
+        # (0.0: never waited for, read as revoked).
+        self.stamp = stamp
 
     def __reduce__(self) -> tuple[type[PoolSlotsSpec], tuple[Any, ...]]:
-        return PoolSlotsSpec, (self.slots, self.pool, self.gens, self.req_id, self.lock)
+        return PoolSlotsSpec, (self.slots, self.pool, self.gens, self.req_id, self.lock,
+                               self.stamp)
 
     def __repr__(self) -> str:
         return f"PoolSlotsSpec(slots={self.slots}, gens={self.gens})"

@@ -162,6 +162,7 @@ class DaemonOffloadingManager(CacheReset, OffloadingManager):
     def _absorb(self, r: p.StepReply) -> None:
         self.reservation.answered(r.rid, r.granted, r.no_space)
         self._reserved.extend(self.own.answered(r.rid, r.exists, r.refused))
+        self.counters["earmarks_withdrawn"] += self.reservation.withdraw(r.withdrawn)
         if r.lost:
             self.counters["pins_lost"] += len(r.lost)
             log.warning("kvoffload: %d loads lost their slot before the daemon pinned them; "
@@ -308,7 +309,8 @@ class DaemonOffloadingManager(CacheReset, OffloadingManager):
     def _claim(self, new: list[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:
         info = self.requests.get(req_context.req_id)
         tph = self.geometry.tokens_per_hash
-        refs, self._reserved[-len(new):] = self._reserved[-len(new):], []
+        refs, self._reserved[-len(new):] = self._reserved[-len(new):], []  # newest first
+        stamp = self._batch.claim_stamp()  # its workers' deadline for an earmark's handover
         claims, block = self._batch.claims, self._block
         for key, (slot, gen) in zip(new, refs, strict=True):
             item = store_item(key, req_context.get_offload_key_position(key),
@@ -320,7 +322,8 @@ class DaemonOffloadingManager(CacheReset, OffloadingManager):
         self.counters["stores_offered"] += len(new)
         lock = self.session.reg.readers_path if self.session.reg is not None else ""
         return PrepareStoreOutput(keys_to_store=new,
-                                  store_spec=PoolSlotsSpec(slots, self._pool, gens, lock=lock),
+                                  store_spec=PoolSlotsSpec(slots, self._pool, gens, lock=lock,
+                                                           stamp=stamp),
                                   evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
@@ -394,10 +397,7 @@ class DaemonOffloadingManager(CacheReset, OffloadingManager):
         unreserve = [p.SlotRef(b"", *ref) for ref in self.reservation.surplus()]
 
         def build(rid: int, engine: int, epoch: int) -> p.Step:
-            return p.Step(rid=rid, engine=engine, epoch=epoch, pins=batch.pins,
-                          releases=batch.releases, claims=batch.claims, commits=batch.commits,
-                          aborts=batch.aborts, unreserve=unreserve, reserve=want,
-                          finds=batch.finds, lookups=lookups, touches=batch.touches)
+            return batch.step(rid, engine, epoch, unreserve, want, lookups)
 
         # sync: the next step's first read waits (sync_ms at most) for a refill it may need (a
         # deferred store, fewer slots left than a step's demand); claims are waited for only

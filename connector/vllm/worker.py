@@ -17,11 +17,23 @@ never reported as a success with bytes it did not have: under ``KVOffloadConnect
 completes and its request goes to vLLM's load-failure path (recompute, or fail the request, per
 ``kv_load_failure_policy``); under vLLM's stock connector, which cannot take load failures, the
 job is reported failed and vLLM stops the engine rather than run on wrong KV.
+
+An earmarked store slot (granted while it still holds a READY block, ``daemon/store/
+earmarks.py``) shows the generation one below the grant's until the daemon hands it over (no
+reader can load the old block any more). Such a store job is parked (``parked.py``): no lock,
+no copy, ``submit_store`` returns at once. It is tried again through the path above when no
+slot of it is waiting any more (``get_finished``, every step; ``wait``, which vLLM calls for
+GPU blocks about to be reused, polls for it), or once ``stamp + HANDOVER_WAIT_S`` has passed:
+then its slots still one below fail the pre-check and are not written. Giving up is safe: the
+daemon hands over no later than ``stamp + HANDOVER_S``, earlier than our deadline, and burns
+the grant otherwise (its generation skips the granted one), so such a slot is never written
+by anyone for this grant and its commit is refused.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 from kvoffload.connector.index_view import IndexGone, SlotGenerations
@@ -40,7 +52,9 @@ from kvoffload.connector.transfer.engine import (
 )
 from kvoffload.connector.transfer.pool_map import PoolMapping
 from kvoffload.connector.vllm.load_spec import PoolInfo, PoolSlotsSpec
+from kvoffload.connector.vllm.parked import ParkedStore, ParkedStores
 from kvoffload.connector.writer_lock import WriterLocks
+from kvoffload.daemon.store.shared_index import HANDOVER_WAIT_S
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -76,6 +90,10 @@ class DaemonOffloadingWorker(OffloadingWorker):
         self._stores: dict[int, tuple[str, np.ndarray, np.ndarray]] = {}
         self.locks = WriterLocks()
         self.stores_revoked = 0  # store jobs whose slots were revoked during the copy
+        # Store jobs waiting for an earmarked slot's handover (parked.py).
+        self._parked = ParkedStores(self._still_waiting)
+        self.stores_parked = 0  # store jobs parked at submission
+        self.stores_handover_timeouts = 0  # store jobs with slots not handed over in time
         self.layout = layout_from_canonical(kv_caches)
         self.rank = rank
         self.tp_world_size = tp_world_size
@@ -228,28 +246,10 @@ class DaemonOffloadingWorker(OffloadingWorker):
             self._done.append(TransferResult(job_id=job_id, success=False) if store else
                               self._failed_load(job_id, pool_spec.req_id, expedited))
             return True
-        placed = items[:, 2] >= 0
         if store:
-            # The lock first, then the check: once the daemon revoked these grants (a new
-            # generation, then its lock test), either its test fails or we read the new
-            # generation here. A slot lost meanwhile is not written (its commit is refused).
-            # A spec without a lock comes from a caller without a daemon session (benches and
-            # tests that drive the worker directly): nothing can revoke its slots.
-            view = self._generations(pool) if pool is not None else None
-            lock = pool_spec.lock
-            locked = view is not None and (not lock or self.locks.acquire(lock))
-            if locked and view is not None:
-                keep = placed & view.intact_mask(items[:, 2], gens, key_bound=False)
-                items, gens = items[keep], gens[keep]
-            if not locked or pool is None or not len(items):
-                if locked:
-                    self.locks.release(lock)
-                self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=0,
-                                                 transfer_time=0.0))
-                return True
-            self._stores[job_id] = (pool_spec.lock, items[:, 2].copy(), gens)
-            self._copier_for(pool).submit_store(job_id, items)
+            self._store(job_id, items, gens, pool, pool_spec.lock, pool_spec.stamp)
             return True
+        placed = items[:, 2] >= 0
         if pool is None or not placed.all() or not self._intact(pool, items[:, 2], gens):
             # A key without a slot, or a slot already handed on: its bytes are not there.
             log.error("kvoffload load job %d (request %s): blocks no longer in the pool",
@@ -262,6 +262,53 @@ class DaemonOffloadingWorker(OffloadingWorker):
         # fault) is still reported by get_finished, as failed. Submission always succeeds.
         copier.submit_load(job_id, items)
         return True
+
+    def _store(self, job_id: int, items: np.ndarray, gens: np.ndarray, pool: PoolInfo | None,
+               lock: str, stamp: float, *, parked: bool = False) -> None:
+        """Copy the rows whose grant is still ours, or park the job while one of its earmarked
+        slots is not handed over yet (until its deadline)."""
+        placed = items[:, 2] >= 0
+        view = self._generations(pool) if pool is not None else None
+        if stamp > 0 and view is not None and pool is not None:
+            waiting = placed & view.waiting_mask(items[:, 2], gens)
+            if waiting.any():
+                if time.monotonic() < stamp + HANDOVER_WAIT_S:
+                    self._parked.park(ParkedStore(job_id, items, gens, pool, lock, stamp))
+                    if not parked:
+                        self.stores_parked += 1
+                    return
+                # Never handed over now (see the docstring): the pre-check drops them.
+                self.stores_handover_timeouts += 1
+                log.warning("kvoffload store job %d: %d earmarked slots were not handed over "
+                            "in time; not written (the daemon refuses their commit)", job_id,
+                            int(waiting.sum()))
+        # The lock first, then the check: once the daemon revoked these grants (a new
+        # generation, then its lock test), either its test fails or we read the new
+        # generation here. A slot lost meanwhile is not written (its commit is refused).
+        # A spec without a lock comes from a caller without a daemon session (benches and
+        # tests that drive the worker directly): nothing can revoke its slots.
+        locked = view is not None and (not lock or self.locks.acquire(lock))
+        if locked and view is not None:
+            keep = placed & view.intact_mask(items[:, 2], gens, key_bound=False)
+            items, gens = items[keep], gens[keep]
+        if not locked or pool is None or not len(items):
+            if locked:
+                self.locks.release(lock)
+            self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=0,
+                                             transfer_time=0.0))
+            return
+        self._stores[job_id] = (lock, items[:, 2].copy(), gens)
+        self._copier_for(pool).submit_store(job_id, items)
+
+    def _still_waiting(self, job: ParkedStore) -> bool:
+        view = self._generations(job.pool)
+        placed = job.items[:, 2] >= 0
+        return view is not None and bool((placed & view.waiting_mask(job.items[:, 2],
+                                                                     job.gens)).any())
+
+    def _retry(self, jobs: list[ParkedStore]) -> None:
+        for j in jobs:  # each through the whole store path (it parks again if still early)
+            self._store(j.job_id, j.items, j.gens, j.pool, j.lock, j.stamp, parked=True)
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
                      dst_spec: LoadStoreSpec) -> bool:
@@ -279,16 +326,21 @@ class DaemonOffloadingWorker(OffloadingWorker):
             self._expedited.discard(job_id)
 
     def get_finished(self) -> list[TransferResult]:
+        self._retry(self._parked.take_due())  # never blocks: a handover is not waited for
         out, self._done = self._done, []
         if self._copier is not None:
             out.extend(self._result(r) for r in self._copier.get_finished())
         return out
 
     def wait(self, job_ids: set[int]) -> None:
+        # vLLM reuses these jobs' GPU blocks next: a parked one is waited for (its deadline
+        # at most) and then copied or given up before the copier's wait.
+        self._retry(self._parked.take_waited(job_ids))
         if self._copier is not None:
             self._copier.wait(job_ids)
 
     def shutdown(self) -> None:
+        self._parked.clear()  # they hold no lock and wrote nothing
         self._close_copier()
         self.locks.close()
         for lane in (self._lanes or {}).values():

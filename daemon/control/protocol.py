@@ -232,6 +232,10 @@ class Step(_Msg, tag="step"):
     # READY keys vLLM offered to store again (a request reused them, from its GPU prefix
     # cache or a load): most recently used now, as vLLM's own manager records such reuse.
     touches: list[bytes] = []
+    # time.monotonic() when the engine took the slots its claims name (its workers' specs
+    # carry the same stamp): an earmarked slot is handed over within HANDOVER_S of it, or
+    # never (daemon/store/earmarks.py). 0.0: the daemon's receipt.
+    stamp: float = 0.0
 
 
 Request = (
@@ -318,6 +322,9 @@ class StepReply(_Msg, tag="step_reply"):
     not_found: list[bytes] = []
     no_space: bool = False  # the reservation could not be filled: the pool is all pinned
     epoch: int = 0
+    # Earmarked slots granted earlier that are not ours any more (their block was used, or a
+    # claim found its key stored): dropped from the reservation; a claim naming one is refused.
+    withdrawn: list[int] = []
 
 
 class Ack(_Msg, tag="ack"):

@@ -52,6 +52,7 @@ class Service(ServiceUpkeep):
         index.on_ready.append(events.stored)
         index.on_drop.append(events.dropped)
         index.on_abort.append(lambda ns, key, slot: events.forget(slot))
+        index.on_cancel.append(self._handover_cancelled)
         self.leases = Leases(config.lease_ms, config.max_clients, config.max_clients_per_peer)
         self.quotas = Quotas(config, index, metrics)
         self.daemon_id = uuid.uuid4().hex

@@ -12,7 +12,10 @@ step and never waits for its reply (it reads it at a later step). Handled in thi
    worker's own generation check fails it too.
 3. ``releases``: the loads are done (pins drop; the block becomes most recently used).
 4. ``claims``: keys into slots of this client's reservation; a key stored meanwhile by another
-   engine is answered in ``exists`` and the slot stays reserved for the next store.
+   engine is answered in ``exists`` and the slot stays reserved for the next store. A claim
+   of an earmarked READY block evicts it and queues its handover (``earmarks.py``: the slot
+   is written only once no reader can load the old block, within ``HANDOVER_S`` of the
+   Step's ``stamp``); earmarks used meanwhile are answered in ``withdrawn``.
 5. ``unreserve``; then ``epoch``: the engine's pins above were decided from that view
    (``reclaim.py``), so slots retired before it are reclaimed now, ahead of ``reserve``
    (refill, evicting as needed, bounded per client: what one step's prefill stores, at any
@@ -26,6 +29,7 @@ step and never waits for its reply (it reads it at a later step). Handled in thi
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from kvoffload.daemon.base import KeyStatus
@@ -81,6 +85,8 @@ class StepHandler:
                            f"{MAX_ITEM_TOKENS}")
         if msg.reserve < 0:
             raise _bad("reserve must be >= 0")
+        if not math.isfinite(msg.stamp):
+            raise _bad("stamp must be a finite time.monotonic() value")
 
     def handle(self, client: ClientState, ns: Namespace, msg: p.Step) -> p.StepReply:
         self._validate(ns, msg)
@@ -147,6 +153,10 @@ class StepHandler:
         if ahead:
             m.evictions.labels(idx.policy.name, "capacity").inc(ahead)
         reply.epoch = idx.epoch
+        if idx.withdrawn:
+            reply.withdrawn = idx.take_withdrawn(client)
+            for slot in reply.withdrawn:
+                client.reserved.discard(slot)
         return reply
 
     def _commits(self, client: ClientState, ns: Namespace, msg: p.Step,
@@ -180,8 +190,13 @@ class StepHandler:
                 self._not_worth.inc()
                 self._tail_store.inc()
                 continue
+            earmark = idx.earmarks.get(claim.slot) is client
             ok = idx.claim(ns, it.key, claim.slot, claim.gen, it.end_token, it.tail, client,
-                           client.owner)
+                           client.owner, msg.stamp)
+            if earmark and claim.slot not in idx.earmarks:  # used up: claimed or burnt
+                client.reserved.discard(claim.slot)
+                if ok:  # its block was evicted for this store
+                    self.metrics.evictions.labels(idx.policy.name, "capacity").inc()
             if ok is None:
                 reply.refused.append(it.key)
                 self._refused.inc()
@@ -231,6 +246,7 @@ class StepHandler:
         writers = client.session if client.writer_lock else None
         for slot in client.reserved:
             self.index.unreserve(slot, fence_s, writers)
+        self.index.take_withdrawn(client)
         n = len(client.reserved)
         client.reserved.clear()
         if client.reads_index:

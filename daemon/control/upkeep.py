@@ -85,6 +85,15 @@ class ServiceUpkeep:
         self._update_pool_gauges()
         return released
 
+    def _handover_cancelled(self, holder: object, slot: int) -> None:
+        """A claimed earmark burnt before its handover (deadline, or its client left): the
+        store is gone from its client's books (a late commit is refused)."""
+        if isinstance(holder, ClientState):
+            holder.pending.discard(slot)
+        if self._pending_owner.get(slot) is holder:
+            del self._pending_owner[slot]
+        self.metrics.stores.labels("burnt").inc()
+
     def close_sessions(self) -> None:
         """At shutdown: remove every session file (after the index is superseded, so no
         engine trusts what it read). A previous daemon's file whose writer still holds its
@@ -106,6 +115,8 @@ class ServiceUpkeep:
         m.pool_slots.labels("free").set(pool.free_slots)
         # Revoked grants whose writers may still copy (reclaim.py): back once they are gone.
         m.pool_slots.labels("quarantined").set(idx.reclaimer.quarantined)
+        # READY blocks granted for engines' next stores (earmarks.py): counted in "ready" too.
+        m.pool_slots.labels("earmarked").set(len(idx.earmarks))
         m.pool_bytes.labels("total").set(pool.pool_bytes)
         m.pool_bytes.labels("used").set((ready + pending) * pool.slot_bytes)
         m.pool_bytes.labels("pending").set(pending * pool.slot_bytes)
@@ -122,5 +133,7 @@ class ServiceUpkeep:
             "pinned": idx.n_pinned, "policy": idx.policy.name, "http": self.http_url,
             "quarantined": idx.reclaimer.quarantined,
             "readers_passed_over": idx.reclaimer.passed_over,
+            "earmarked": len(idx.earmarks), "handovers": len(idx.handovers),
+            "earmarks_burnt": idx.burnt, "reserved": len(idx.reserved_by),
             **self.totals,
         })

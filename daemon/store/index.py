@@ -22,11 +22,13 @@ from collections.abc import Iterator
 
 from kvoffload.daemon.base import Geometry, KeyStatus
 from kvoffload.daemon.store import shared_index as si
+from kvoffload.daemon.store.earmarks import EarmarkTable
 from kvoffload.daemon.store.eviction import EvictionPolicy, make_policy
 from kvoffload.daemon.store.pool import Pool
 from kvoffload.daemon.store.reclaim import Reclaimer, Writers
+from kvoffload.daemon.store.reservations import ReservationTable
 from kvoffload.daemon.store.session_file import PreviousSessions
-from kvoffload.daemon.store.slot_arrays import MIN_FREE, SlotTable
+from kvoffload.daemon.store.slot_arrays import SlotTable
 from kvoffload.daemon.store.slot_states import (  # noqa: F401 - re-exported: callers use index.X
     _SHARED_STATE,
     Listener,
@@ -36,7 +38,7 @@ from kvoffload.daemon.store.slot_states import (  # noqa: F401 - re-exported: ca
 )
 
 
-class BlockIndex(SlotTable):
+class BlockIndex(SlotTable, ReservationTable, EarmarkTable):
     def __init__(self, pool: Pool, policy: str = "lru") -> None:
         self.pool = pool
         self.policy_name = policy
@@ -59,6 +61,7 @@ class BlockIndex(SlotTable):
         # not count engines' reservations, as promotions need slots that are free.
         self.has_tiers = False
         self._hold_for_previous = False
+        self._init_earmarks()
         self._size(0)
 
     def share(self, path: str, daemon_id: str) -> None:
@@ -131,20 +134,27 @@ class BlockIndex(SlotTable):
         return self.ns_of[slot], self.slot_key[slot]
 
     def _evictable(self, slot: int) -> bool:
-        return self.state[slot] == SlotState.READY and self.pins[slot] == 0
+        return self.state[slot] == SlotState.READY and self.pins[slot] == 0 \
+            and slot not in self.earmarks
 
-    def _alloc(self, evicted: list[tuple[Namespace, bytes, int]]) -> int | None:
-        """A free slot, reclaiming retired ones, else evicting one unpinned READY block."""
+    def _held_for_previous(self) -> bool:
         if self._hold_for_previous and self.previous is not None and not self.previous.gone():
-            return None  # a previous daemon's writer may still copy into any free slot
+            return True  # a previous daemon's writer may still copy into any free slot
         self._hold_for_previous = False
+        return False
+
+    def _alloc(self, evicted: list[tuple[Namespace, bytes, int]],
+               evict: bool = True) -> int | None:
+        """A free slot, reclaiming retired ones, else evicting one unpinned READY block."""
+        if self._held_for_previous():
+            return None
         slot = self.pool.alloc()
         if slot is None:
             self.reclaim()
             slot = self.pool.alloc()
         # Evicted slots that readers may still see are retired, not reusable at once: stop
         # evicting while enough of them wait, or a lagging reader would empty the pool.
-        if slot is None and self.reclaimer.backlog < self.max_retired:
+        if slot is None and evict and self.reclaimer.backlog < self.max_retired:
             for victim in self.policy.victims(1, self._evictable):
                 victim_key = self.slot_key[victim]
                 if victim_key is not None:
@@ -185,78 +195,6 @@ class BlockIndex(SlotTable):
             return Prepared(None, False, evicted)
         self._occupy(ns, key, slot, SlotState.PENDING, end_token, tail, owner)
         return Prepared(slot, False, evicted)
-
-    def keep_free(self) -> int:
-        """Evict ahead, so a store, a reservation or a promotion finds a slot at once: with
-        engines reading the index an evicted slot is reusable only a moment later (retired),
-        so waiting until the pool is full would refuse the very request that evicted."""
-        if not self.reclaimer.readers:
-            return 0  # nobody reads in place: evicting on demand frees a slot at once
-        # Reservations are empty slots ahead of stores too (issue 24: 10 free on top of 20
-        # reserved of 167 served what vLLM serves with 137); MIN_FREE stay free or retiring
-        # whatever is reserved (test_stuck_readers). Not counted with a tier below: promotions
-        # need free slots (counting starved them: issue 25's below-memory run).
-        reserved = 0 if self.has_tiers else len(self.reserved_by)
-        evicted = 0
-        while self._short_of_empty(reserved) and self.reclaimer.backlog < self.max_retired:
-            victims = self.policy.victims(1, self._evictable)
-            if not victims:
-                break
-            victim = victims[0]
-            key = self.slot_key[victim]
-            if key is not None:
-                for listener in self.on_evict:
-                    listener(self.namespaces[self.ns_of[victim]], key, victim)
-            self._forget(victim)
-            evicted += 1
-        return evicted
-
-    def _short_of_empty(self, reserved: int) -> bool:
-        empty = self.pool.free_slots + self.reclaimer.backlog
-        return empty < MIN_FREE or empty + reserved < self.free_target
-
-    def reserve(self, holder: object, n: int) -> tuple[list[tuple[int, int]],
-                                                       list[tuple[Namespace, bytes, int]]]:
-        """Up to ``n`` empty slots for one engine's stores, as (slot, generation) pairs.
-
-        Evicts as needed; an evicted slot that readers may still see is retired, so it comes
-        back in a later reservation, not this one.
-        """
-        granted: list[tuple[int, int]] = []
-        evicted: list[tuple[Namespace, bytes, int]] = []
-        for _ in range(n):
-            slot = self._alloc(evicted)
-            if slot is None:
-                break
-            self.state[slot] = SlotState.RESERVED
-            self.reserved_by[slot] = holder
-            granted.append((slot, self.gen[slot]))
-            self.publish(slot)  # readers see the generation move
-        return granted, evicted
-
-    def claim(self, ns: Namespace, key: bytes, slot: int, gen: int, end_token: int,
-              tail: bool, holder: object, owner: int = 0) -> bool | None:
-        """Put ``key`` into a slot ``holder`` reserved: True, False (key exists: the slot stays
-        reserved), None (not this holder's slot or generation: refused)."""
-        if not 0 <= slot < len(self.state) or self.state[slot] != SlotState.RESERVED \
-                or self.reserved_by.get(slot) is not holder or self.gen[slot] != gen:
-            return None
-        if key in ns.keys:
-            return False
-        del self.reserved_by[slot]
-        self._occupy(ns, key, slot, SlotState.PENDING, end_token, tail, owner)
-        return True
-
-    def unreserve(self, slot: int, fence_s: float = 0.0,
-                  writers: Writers | None = None) -> None:
-        """Give back a reserved slot; ``fence_s`` / ``writers``: its writer may still be
-        writing it (``_revoke``)."""
-        if self.state[slot] != SlotState.RESERVED:
-            return
-        self.reserved_by.pop(slot, None)
-        if not self._revoke(slot, fence_s, writers):
-            self.state[slot] = SlotState.FREE
-            self.pool.free(slot)
 
     def _occupy(self, ns: Namespace, key: bytes, slot: int, state: SlotState, end_token: int,
                 tail: bool, owner: int = 0) -> None:
@@ -302,6 +240,8 @@ class BlockIndex(SlotTable):
         slot = ns.keys.get(key)
         if slot is None or self.state[slot] != SlotState.PENDING:
             return False
+        if self.cancel_handover(slot):  # not handed over yet: nobody wrote it
+            return True
         for listener in self.on_abort:
             listener(ns, key, slot)
         # Nobody loads a PENDING block, so only a writer that may still be at work delays reuse.
@@ -333,6 +273,8 @@ class BlockIndex(SlotTable):
         if not self.pins[slot]:
             self.n_pinned += 1
         self.pins[slot] += 1
+        if slot in self.earmarks:  # a load of it: not evicted while in use
+            self.withdraw(slot)
 
     def pin_generation(self, slot: int, gen: int) -> bool:
         """Pin a slot an engine saw READY at generation ``gen``: also a retired one, whose
@@ -349,14 +291,20 @@ class BlockIndex(SlotTable):
             self.pins[slot] -= 1
             if not self.pins[slot]:
                 self.n_pinned -= 1
+                self._unpinned(slot)
                 if self.state[slot] == SlotState.RETIRED and self.reclaimer.unpinned(slot):
                     self._free(slot)
 
     def touch(self, slot: int) -> None:
+        if slot in self.earmarks:  # reused: kept, as vLLM's LRU keeps what it just used
+            self.withdraw(slot)
         if self.state[slot] == SlotState.READY:
             self.policy.on_access(slot)
 
     def _free(self, slot: int) -> None:
+        if slot in self.handovers:  # reclaimed: the claimed earmark goes to its writer
+            self._finish_handover(slot)
+            return
         self.state[slot] = SlotState.FREE
         self.pool.free(slot)
 

@@ -75,6 +75,15 @@ _KEY = struct.Struct("<B7x40s")  # at entry + 16
 SEQ = struct.Struct("<I")
 U64 = struct.Struct("<Q")
 GEN_MASK = 0xFFFFFFFF
+# Earmarked grants (``daemon/store/earmarks.py``): a slot granted while it still holds a READY
+# block is written only once the daemon has handed it over (its generation moves from the one
+# before the grant's to the grant's). The daemon hands over no later than HANDOVER_S after the
+# claim's stamp (else it burns the grant: the generation skips the granted one); a worker
+# waits HANDOVER_WAIT_S from the same stamp, so once it gives up no handover can follow.
+# Twice the 0.25 s a stuck reader may hold reclamation (reclaim.HOLD_S): one stuck engine
+# delays the others' handovers, it does not burn them.
+HANDOVER_S = 0.5
+HANDOVER_WAIT_S = 2 * HANDOVER_S
 
 # Entry states (what a reader acts on). FREE entries carry no key.
 FREE, PENDING, READY = 0, 1, 2

@@ -93,6 +93,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--client-max-pending", type=int, help="pending stores per client (0: the share)")
     s.add_argument("--client-max-pins", type=int, help="pins per client (0: the share)")
     s.add_argument("--max-clients-per-peer", type=int, help="identities per CURVE key or tcp peer (256)")
+    s.add_argument("--earmark-reservations", action=argparse.BooleanOptionalAction,
+                   default=None, help="a full pool reserves READY blocks for engines' next "
+                   "stores, evicted only when claimed, instead of emptying slots ahead")
     s.add_argument("--ready-file", help="write {pid, control, http} as JSON here when ready")
     s.set_defaults(handler=run)
 

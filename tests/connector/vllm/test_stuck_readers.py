@@ -5,7 +5,10 @@ never runs out) and then marks its record busy at epoch 0 forever -- frozen mid-
 Engine B, through vLLM 0.33's real Scheduler and worker connector, keeps storing new prompts
 into a pool too small for them, so every store evicts a block that is retired, not freed,
 while a reader may still see it. Past the hold bound (0.25 s) the stuck reader is passed
-over: B's later prompts are stored and load back as hits, bytes checked.
+over: B's later prompts are stored and load back as hits, bytes checked. The pool grants B
+earmarked blocks (``daemon/store/earmarks.py``), whose handover waits for the readers, so
+B's first store waits in its worker (parked) until the stuck reader is passed over: B is
+stepped as a real engine steps, a step a millisecond, until it is idle.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ def daemon(tmp_path: Path) -> Iterator[DaemonHandle]:
         yield d
 
 
+def _run_idle(engine: Any, seconds: float = 10.0) -> None:
+    """Step ``engine`` until it has nothing left (its stores copied), a millisecond a step."""
+    deadline = time.monotonic() + seconds
+    while engine.busy():
+        assert time.monotonic() < deadline, "engine still busy"
+        engine.step()
+        time.sleep(0.001)
+
+
 def test_a_reader_stuck_at_an_old_epoch_does_not_stop_another_engines_stores(
         daemon: DaemonHandle) -> None:
     from kvoffload.bench.vllm_engine import MiniEngine
@@ -51,7 +63,7 @@ def test_a_reader_stuck_at_an_old_epoch_does_not_stop_another_engines_stores(
     for i in range(8):  # 8 prompts of 2 keys each through a 16-slot pool: evictions retire
         prompt = list(range(1000 * (i + 1), 1000 * (i + 1) + 30))
         b.add(prompt, f"store-{i}", max_tokens=2)
-        b.run()
+        _run_idle(b)
         time.sleep(0.3)  # past the hold bound: the stuck reader is passed over from here on
         assert b.scheduler.reset_prefix_cache()
         b.scribble()
