@@ -309,7 +309,7 @@ class DaemonOffloadingManager(CacheReset, OffloadingManager):
     def _claim(self, new: list[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:
         info = self.requests.get(req_context.req_id)
         tph = self.geometry.tokens_per_hash
-        refs, self._reserved[-len(new):] = self._reserved[-len(new):], []  # newest first
+        refs = self.reservation.take(len(new), {ref.slot for ref in self._batch.pins})
         stamp = self._batch.claim_stamp()  # its workers' deadline for an earmark's handover
         claims, block = self._batch.claims, self._block
         for key, (slot, gen) in zip(new, refs, strict=True):

@@ -117,6 +117,18 @@ class Reservation:
             self.short = len(granted) < asked
             self.ceiling = len(self.slots)
 
+    def take(self, n: int, loading: set[int]) -> list[tuple[int, int]]:
+        """``n`` slots for a store, newest grants first, slots this step loads from last: an
+        earmarked block we load now is withdrawn by the daemon once our pin arrives, and a
+        store into it would wait for that load's release, sent a step later."""
+        if n <= 0:
+            return []
+        slots = self.slots
+        if loading and any(s in loading for s, _ in slots[-n:]):
+            slots.sort(key=lambda ref: ref[0] not in loading)  # stable: order kept otherwise
+        out, slots[-n:] = slots[-n:], []
+        return out
+
     def withdraw(self, slots: list[int]) -> int:
         """Earmarked blocks the daemon took back (used meanwhile, ``daemon/store/earmarks.py``):
         not ours to store into; returns how many."""

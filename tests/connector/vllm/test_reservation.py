@@ -1,6 +1,6 @@
 """The store reservation's sizing, alone (no daemon, no vLLM): it follows the steps' demand,
-hands back what a quiet engine no longer needs, and says when a deferred store would find its
-slots next step."""
+hands back what a quiet engine no longer needs, says when a deferred store would find its
+slots next step, and which slots a store takes (never one the daemon withdrew)."""
 
 from __future__ import annotations
 
@@ -73,3 +73,22 @@ def test_the_default_floor_is_a_share_of_the_pool_and_covers_one_off_offers() ->
     assert res.first(1 << 20) == DEFAULT_FLOOR  # re-attached to a larger pool: follows it
     fixed = Reservation(floor=5, groups=4)
     assert fixed.first(1 << 20) == 5 and fixed.first(16) == 5  # the operator's, as set
+
+
+def test_a_store_takes_the_newest_grants_and_a_slot_this_step_loads_last() -> None:
+    res = Reservation(4)
+    res.slots.extend([(10, 1), (11, 1), (12, 1), (13, 1)])
+    assert res.take(2, set()) == [(12, 1), (13, 1)]
+    res.slots.extend([(14, 1), (15, 1)])
+    # Slot 15 is an earmarked block this step loads: a store into it would wait for the load.
+    assert res.take(2, {15}) == [(11, 1), (14, 1)]
+    assert res.slots == [(15, 1), (10, 1)]
+    assert res.take(2, {15}) == [(15, 1), (10, 1)]  # nothing else left: taken all the same
+    assert res.take(0, set()) == [] and res.slots == []
+
+
+def test_withdrawn_earmarks_leave_the_reservation() -> None:
+    res = Reservation(4)
+    res.slots.extend([(10, 1), (11, 1), (12, 1)])
+    assert res.withdraw([11, 99]) == 2
+    assert res.slots == [(10, 1), (12, 1)]
