@@ -6,25 +6,18 @@ changes nothing."""
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import time
+from collections.abc import Iterator
 
 from kvoffload.connector.client import DaemonClient
 from kvoffload.connector.index_map import SlotGenerations
-from kvoffload.daemon.base import Geometry, GroupKind, GroupSpec, KeyStatus, make_key
+from kvoffload.daemon.base import KeyStatus
 from kvoffload.daemon.control import protocol as p
 from kvoffload.daemon.store.shared_index import GEN_MASK, index_path_for
 
-from tests.daemon_helpers import run_daemon
-
-GEOMETRY = Geometry(namespace="earmarks", groups=(
-    GroupSpec(kind=GroupKind.FULL_ATTENTION, tokens_per_block=16, bytes_per_block=1024),),
-    tokens_per_hash=16)
-SLOTS = 16
-
-
-def _keys(tag: str, n: int) -> list[bytes]:
-    return [make_key(hashlib.sha256(f"{tag}{i}".encode()).digest(), 0) for i in range(n)]
+from tests.daemon.control.test_steps import GEOMETRY, SLOTS, _keys
+from tests.daemon_helpers import DaemonHandle, run_daemon
 
 
 def _fill(c: DaemonClient) -> list[bytes]:
@@ -59,12 +52,19 @@ def _gens(pool_path: str, daemon_id: str, slots: list[int]) -> list[int]:
         view.close()
 
 
-def test_a_claim_evicts_the_earmarked_block_and_its_commit_lands(tmp_path) -> None:
+@contextlib.contextmanager
+def _full_pool(tmp_path) -> Iterator[tuple[DaemonHandle, DaemonClient, int, list[bytes]]]:
+    """A daemon with earmarks on, its pool full of one client's READY blocks."""
     with run_daemon(tmp_path, "--earmark-reservations", pool_bytes=SLOTS * 1024,
                     slot_bytes=1024) as d:
         c = DaemonClient(d.control, timeout_ms=5000)
         engine = c.register(GEOMETRY).engine
-        old = _fill(c)
+        yield d, c, engine, _fill(c)
+        c.close()
+
+
+def test_a_claim_evicts_the_earmarked_block_and_its_commit_lands(tmp_path) -> None:
+    with _full_pool(tmp_path) as (d, c, engine, old):
         granted = _step(c, engine, reserve=2).granted
         assert len(granted) == 2
         slots = [s for s, _ in granted]
@@ -83,7 +83,6 @@ def test_a_claim_evicts_the_earmarked_block_and_its_commit_lands(tmp_path) -> No
         assert _gens(d.pool_path, did, [slot]) == [gen]  # no reader: handed over at once
         done = _step(c, engine, commits=[p.SlotRef(new, slot, gen)])
         assert not done.refused and c.probe([new]) == [KeyStatus.HIT]
-        c.close()
 
 
 def test_a_lapsed_engines_unclaimed_earmarks_are_burnt(tmp_path) -> None:
@@ -110,15 +109,10 @@ def test_a_lapsed_engines_unclaimed_earmarks_are_burnt(tmp_path) -> None:
 
 
 def test_a_step_with_a_non_finite_stamp_is_refused_and_changes_nothing(tmp_path) -> None:
-    with run_daemon(tmp_path, "--earmark-reservations", pool_bytes=SLOTS * 1024,
-                    slot_bytes=1024) as d:
-        c = DaemonClient(d.control, timeout_ms=5000)
-        engine = c.register(GEOMETRY).engine
-        old = _fill(c)
+    with _full_pool(tmp_path) as (_d, c, engine, old):
         (slot, gen), = _step(c, engine, reserve=1).granted
         bad = c.call(p.Step(rid=c.rid(), engine=engine, epoch=0, stamp=float("inf"), claims=[
             p.StoreClaim(item=p.StoreItem(key=_keys("new", 1)[0], end_token=16), slot=slot,
                          gen=gen)]))
         assert isinstance(bad, p.Error) and bad.code == p.ErrorCode.BAD_REQUEST
         assert c.probe([old[0]]) == [KeyStatus.HIT]
-        c.close()
