@@ -24,10 +24,11 @@ granted one after a give-up:
 
 - the daemon hands over no later than ``HANDOVER_S`` after the claim's stamp (the monotonic
   time the engine took the slots, carried in the ``Step`` and in the worker's spec); past it,
-  and whenever a grant is withdrawn before its handover (the engine's session ended, its
-  claim was refused or answered ``exists``), the grant is *burnt*: the generation moves by
-  two, published at once, so a waiting worker sees the change and writes nothing, and a late
-  commit is refused (its generation never matches);
+  and whenever a grant ends before its handover (the engine's session ended or it handed
+  the slot back, its claim was refused, came past the deadline or was answered ``exists``,
+  the block was used meanwhile), the grant is *burnt*: the generation moves by two,
+  published at once (once no load pins the block), so a waiting worker sees the change and
+  writes nothing, and a late commit is refused (its generation never matches);
 - a worker gives up at ``HANDOVER_WAIT_S`` = 2 x ``HANDOVER_S`` after the same stamp.
 
 An earmarked block that is used meanwhile -- pinned by a load or touched (a request reused
@@ -140,13 +141,14 @@ class EarmarkTable:
     def take_withdrawn(self, holder: object) -> list[int]:
         return self.withdrawn.pop(id(holder), [])
 
-    def release_earmark(self, slot: int, revoke: bool) -> bool:
-        """An earmark goes back unclaimed; ``revoke``: its engine may have handed it to vLLM
-        (its session ended), so it is burnt. Its block stays READY either way."""
+    def release_earmark(self, slot: int) -> bool:
+        """An earmark goes back unclaimed, burnt: its block stays READY. Burnt even when the
+        engine hands it back as unused (``unreserve``): the next grant of the slot would be
+        at the same generation, so a store of this engine still waiting for it (a client
+        that handed back a slot it used) would write another engine's slot."""
         if self.earmarks.pop(slot, None) is None:
             return False
-        if revoke:
-            self._burn(slot)
+        self._burn(slot)
         self.policy.on_insert(slot)
         return True
 
@@ -154,12 +156,17 @@ class EarmarkTable:
                       tail: bool, holder: object, owner: int, stamp: float) -> bool | None:
         """``key`` into an earmarked slot: True (its block evicted, the handover queued),
         False (``key`` is stored already: the grant is burnt), None (not ``holder``'s earmark
-        at ``gen``: refused; or pinned: refused and burnt)."""
+        at ``gen``: refused; pinned, or past the stamp's deadline already: refused, burnt).
+        A claim that returns True leaves ``key`` PENDING in ``slot``: a deadline can only pass
+        later, in ``_finish_handover`` / ``expire_handovers``, which tell ``on_cancel``."""
         if self.earmarks.get(slot) is not holder or gen != (self.gen[slot] + 1) & si.GEN_MASK:
             return None
-        if self.pins[slot] or key in ns.keys:  # (a pin withdraws it first: defensive)
+        now = time.monotonic()
+        start = stamp if math.isfinite(stamp) and 0 < stamp <= now else now
+        late = now > start + si.HANDOVER_S  # its workers may give up before any handover
+        if self.pins[slot] or key in ns.keys or late:  # (a pin withdraws it first)
             self.withdraw(slot)
-            return None if slot in self._burn_unpinned else False
+            return False if key in ns.keys and not late else None
         del self.earmarks[slot]
         old_ns, old_key = self.namespaces[self.ns_of[slot]], self.slot_key[slot]
         assert old_key is not None
@@ -172,15 +179,14 @@ class EarmarkTable:
         # The new key reads PENDING at the old generation: no worker writes before the
         # generation moves, and no reader loads a PENDING key.
         self._occupy(ns, key, slot, SlotState.PENDING, end_token, tail, owner)
-        now = time.monotonic()
-        start = stamp if math.isfinite(stamp) and 0 < stamp <= now else now
-        self.handovers[slot] = Handover(holder, start + si.HANDOVER_S)
         if self.reclaimer.readers:
+            self.handovers[slot] = Handover(holder, start + si.HANDOVER_S)
             self.reclaimer.retire(slot, self.epoch)  # readers may still load the old block
             if self.on_handover_queued is not None:
                 self.on_handover_queued()
-        else:
-            self._finish_handover(slot)
+        else:  # nobody can load the old block: the writer's now, within its deadline
+            self._bump(slot)
+            self.publish(slot)
         return True
 
     def _finish_handover(self, slot: int) -> None:

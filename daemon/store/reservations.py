@@ -49,7 +49,7 @@ class ReservationTable:
         def _occupy(self, ns: Namespace, key: bytes, slot: int, state: SlotState,
                     end_token: int, tail: bool, owner: int = 0) -> None: ...
         def _revoke(self, slot: int, fence_s: float, writers: Writers | None) -> bool: ...
-        def release_earmark(self, slot: int, revoke: bool) -> bool: ...
+        def release_earmark(self, slot: int) -> bool: ...
         def claim_earmark(self, ns: Namespace, key: bytes, slot: int, gen: int,
                           end_token: int, tail: bool, holder: object, owner: int,
                           stamp: float) -> bool | None: ...
@@ -129,7 +129,7 @@ class ReservationTable:
                   writers: Writers | None = None) -> None:
         """Give back a reserved slot; ``fence_s`` / ``writers``: its writer may still be
         writing it (``_revoke``; an earmark is burnt)."""
-        if self.release_earmark(slot, revoke=writers is not None or fence_s > 0):
+        if self.release_earmark(slot):
             return
         if self.state[slot] != SlotState.RESERVED:
             return

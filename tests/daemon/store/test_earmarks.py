@@ -171,14 +171,17 @@ def test_a_key_stored_meanwhile_burns_the_grant(index: BlockIndex) -> None:
     assert index.take_withdrawn(HOLDER) == [slot]  # the holder drops it from its reservation
 
 
-def test_revoked_earmarks_are_burnt_handed_back_ones_are_not(index: BlockIndex) -> None:
+def test_earmarks_handed_back_or_revoked_are_burnt_their_blocks_kept(
+        index: BlockIndex) -> None:
     ns = _ns(index)
     (a, gen_a), (b, gen_b) = index.reserve(HOLDER, 2)[0]
-    index.unreserve(a)  # a surplus the engine never used
+    index.unreserve(a)  # a surplus (or so the engine says: its store may still wait for it)
     index.unreserve(b, fence_s=1.0)  # its session ended: vLLM may hold a spec naming it
-    assert index.gen[a] == gen_a - 1 and index.gen[b] == gen_b + 1
+    assert index.gen[a] == gen_a + 1 and index.gen[b] == gen_b + 1
     assert not index.earmarks and index.status(ns, key(0)) is KeyStatus.HIT
     assert index.status(ns, key(1)) is KeyStatus.HIT and a in index.policy
+    granted = dict(index.reserve("engine-b", SLOTS)[0])  # every block, earmarked again
+    assert granted[a] == gen_a + 2 and granted[b] == gen_b + 2  # never a grant given out
 
 
 def test_an_abort_before_the_handover_burns_and_keeps_the_slot_retired(
@@ -197,25 +200,46 @@ def test_an_abort_before_the_handover_burns_and_keeps_the_slot_retired(
     assert index.gen[slot] == gen + 1  # freed as burnt: no later grant lands on ``gen``
 
 
-def test_past_its_deadline_a_handover_is_burnt(index: BlockIndex,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+class _Clock:
+    """``time`` for earmarks.py: ``monotonic()`` is the real clock plus ``ahead``."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    from kvoffload.daemon.store import earmarks
+
+    c = _Clock()
+    monkeypatch.setattr(earmarks, "time", c)
+    return c
+
+
+def test_past_its_deadline_a_handover_is_burnt(index: BlockIndex, clock: _Clock) -> None:
     ns = _ns(index)
     (a, gen_a), (b, gen_b) = index.reserve(HOLDER, 2)[0]
-    old = time.monotonic() - 2 * si.HANDOVER_S  # the engine took the slots long ago
-    index.claim(ns, key(100), a, gen_a, 16, False, HOLDER, stamp=old)
-    index.claim(ns, key(101), b, gen_b, 16, False, HOLDER, stamp=old)
-    assert index.expire_handovers() == 2  # while the reader holds them: burnt at once
+    now = time.monotonic()
+    index.claim(ns, key(100), a, gen_a, 16, False, HOLDER, stamp=now)
+    index.claim(ns, key(101), b, gen_b, 16, False, HOLDER, stamp=now)
+    assert index.expire_handovers() == 0
+    clock.ahead = 2 * si.HANDOVER_S  # the reader still holds them, past the deadline
+    assert index.expire_handovers() == 2  # burnt at once: their workers stop waiting
     assert index.gen[a] == gen_a + 1 and index.gen[b] == gen_b + 1
     assert key(100) not in ns.keys and key(101) not in ns.keys
     _report(index)
     assert index.pool.free_slots == 2
 
 
-def test_reclaimed_past_the_deadline_is_burnt_not_handed_over(index: BlockIndex) -> None:
+def test_reclaimed_past_the_deadline_is_burnt_not_handed_over(index: BlockIndex,
+                                                              clock: _Clock) -> None:
     ns = _ns(index)
     [(slot, gen)] = index.reserve(HOLDER, 1)[0]
-    index.claim(ns, key(100), slot, gen, 16, False, HOLDER,
-                stamp=time.monotonic() - 2 * si.HANDOVER_S)
+    assert index.claim(ns, key(100), slot, gen, 16, False, HOLDER, stamp=time.monotonic())
+    clock.ahead = 2 * si.HANDOVER_S
     _report(index)  # reclaim before any expire pass
     assert index.gen[slot] == gen + 1 and index.state[slot] == SlotState.FREE
 
@@ -248,3 +272,18 @@ def test_evict_ahead_counts_earmarks_toward_its_target(tmp_path) -> None:
     assert idx.keep_free() == MIN_FREE
     assert idx.count(SlotState.READY) == 128 - MIN_FREE
     _close(idx, pool)
+
+
+def test_a_claim_arriving_past_its_deadline_is_refused_and_burnt(index: BlockIndex) -> None:
+    """A Step that reached the daemon after its stamp's deadline: the engine's workers may
+    have given up already, so the slot never goes to it (and the claim leaves no store)."""
+    index.reclaimer.remove_reader(b"reader")  # no reader: an accepted claim hands over at once
+    ns = _ns(index)
+    cancelled: list[tuple[object, int]] = []
+    index.on_cancel.append(lambda holder, slot: cancelled.append((holder, slot)))
+    [(slot, gen)] = index.reserve(HOLDER, 1)[0]
+    late = time.monotonic() - 2 * si.HANDOVER_S
+    assert index.claim(ns, key(100), slot, gen, 16, False, HOLDER, stamp=late) is None
+    assert index.gen[slot] == gen + 1 and key(100) not in ns.keys and not cancelled
+    assert index.status(ns, key(0)) is KeyStatus.HIT
+    assert index.take_withdrawn(HOLDER) == [slot]
