@@ -154,9 +154,10 @@ class EarmarkTable:
 
     def claim_earmark(self, ns: Namespace, key: bytes, slot: int, gen: int, end_token: int,
                       tail: bool, holder: object, owner: int, stamp: float) -> bool | None:
-        """``key`` into an earmarked slot: True (its block evicted, the handover queued),
-        False (``key`` is stored already: the grant is burnt), None (not ``holder``'s earmark
-        at ``gen``: refused; pinned, or past the stamp's deadline already: refused, burnt).
+        """``key`` into an earmarked slot: True (its block evicted, the handover queued), None
+        (refused: not ``holder``'s earmark at ``gen``; or burnt: pinned, past the stamp's
+        deadline, or ``key`` stored meanwhile -- refused rather than ``exists``, which would
+        keep the slot the engine's for its next store, and a burnt one is not).
         A claim that returns True leaves ``key`` PENDING in ``slot``: a deadline can only pass
         later, in ``_finish_handover`` / ``expire_handovers``, which tell ``on_cancel``."""
         if self.earmarks.get(slot) is not holder or gen != (self.gen[slot] + 1) & si.GEN_MASK:
@@ -166,7 +167,7 @@ class EarmarkTable:
         late = now > start + si.HANDOVER_S  # its workers may give up before any handover
         if self.pins[slot] or key in ns.keys or late:  # (a pin withdraws it first)
             self.withdraw(slot)
-            return False if key in ns.keys and not late else None
+            return None
         del self.earmarks[slot]
         old_ns, old_key = self.namespaces[self.ns_of[slot]], self.slot_key[slot]
         assert old_key is not None

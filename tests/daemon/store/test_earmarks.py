@@ -166,7 +166,7 @@ def test_a_claim_of_a_withdrawn_earmark_after_its_burn_is_refused(index: BlockIn
 def test_a_key_stored_meanwhile_burns_the_grant(index: BlockIndex) -> None:
     ns = _ns(index)
     [(slot, gen)] = index.reserve(HOLDER, 1)[0]
-    assert index.claim(ns, key(5), slot, gen, 16, False, HOLDER) is False
+    assert index.claim(ns, key(5), slot, gen, 16, False, HOLDER) is None  # not ``exists``
     assert index.gen[slot] == gen + 1 and index.status(ns, key(0)) is KeyStatus.HIT
     assert index.take_withdrawn(HOLDER) == [slot]  # the holder drops it from its reservation
 
