@@ -65,7 +65,12 @@ def test_shutdown_releases_claims_and_a_new_engine_does_not_wait(daemon: DaemonH
     old.add(prompt, "first", max_tokens=4)
     for _ in range(10):
         old.step()
-        clients, pending = _held(observer)
+        # The daemon applies a step's claims a moment after the step: wait for them before
+        # stepping on, or (on a loaded host) the next step completes the job and commits it.
+        settle = time.monotonic() + 2
+        while not (held := _held(observer))[1] and time.monotonic() < settle:
+            time.sleep(0.01)
+        clients, pending = held
         if pending:
             break
     assert clients == 2 and pending > 0, "the old engine never claimed a store"
