@@ -301,6 +301,9 @@ _SIZE_KEYS = {"pool_bytes", "slot_bytes", "max_message_bytes", "disk_bytes",
 _FIELDS = {f.name: f for f in msgspec.structs.fields(Config)}
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _coerce(key: str, raw: Any, source: str) -> Any:
     if key not in _FIELDS:
         raise ConfigError(f"{source}: unknown setting {key!r} (known: {', '.join(sorted(_FIELDS))})")
@@ -312,8 +315,11 @@ def _coerce(key: str, raw: Any, source: str) -> Any:
             if key in ("engine_events", "engine_views"):
                 # ";" or whitespace separates engines: "," already pairs EP,REPLAY_EP.
                 return [e for e in re.split(r"[;\s]+", raw) if e]
-            if key in ("prefault", "events_tails", "events_curve"):
-                return raw.lower() in ("1", "true", "yes", "on")
+            if _FIELDS[key].type in (bool, bool | None):
+                word = raw.strip().lower()
+                if word not in _TRUE + _FALSE:
+                    raise ValueError(f"{raw!r} is not one of {', '.join(_TRUE + _FALSE)}")
+                return word in _TRUE
             if _FIELDS[key].type in (int, "int"):
                 return int(raw)
         return raw

@@ -28,6 +28,7 @@ def test_layers_override_in_order(tmp_path) -> None:
     ({"env": {"KVOFFLOAD_NOPE": "1"}}, "unknown setting 'nope'"),
     ({"env": {}, "flags": {"lease_ms": 5}}, "lease_ms"),
     ({"env": {}, "flags": {"log_format": "xml"}}, "log_format"),
+    ({"env": {"KVOFFLOAD_PREFAULT": "maybe"}}, "'maybe' is not one of 1, true"),
 ])
 def test_errors_name_key_and_source(kwargs, needle) -> None:
     with pytest.raises(ConfigError) as exc:
@@ -40,6 +41,17 @@ def test_bad_file(tmp_path) -> None:
     f.write_text("pool_bytes = [")
     with pytest.raises(ConfigError, match="bad.toml"):
         load_config(f, env={})
+
+
+def test_every_boolean_setting_reads_from_the_environment() -> None:
+    """Each bool field, not a list of some: ``earmark_reservations`` from the environment
+    was refused (Expected `bool`, got `str`)."""
+    cfg = load_config(env={"KVOFFLOAD_EARMARK_RESERVATIONS": "false",
+                           "KVOFFLOAD_SHARED_INDEX": "0", "KVOFFLOAD_EVENTS_TAILS": "On",
+                           "KVOFFLOAD_PREFAULT": "no"})
+    assert (cfg.earmark_reservations, cfg.shared_index, cfg.events_tails, cfg.prefault) == (
+        False, False, True, False)
+    assert load_config(env={}).earmark_reservations is True
 
 
 def test_engine_events_env_keeps_replay_pairs() -> None:
