@@ -122,12 +122,14 @@ class EarmarkTable:
         self.burnt += 1
         self.publish(slot)
 
-    def withdraw(self, slot: int) -> None:
-        """An earmarked block is in use again: it goes back to the eviction order and its
-        grant is burnt (now, or once the loads pinning it are done)."""
+    def withdraw(self, slot: int, tell: bool = True) -> None:
+        """An earmarked block is in use again (or handed back, ``tell`` False: its engine
+        knows): it goes back to the eviction order and its grant is burnt, now or once the
+        loads pinning it are done (a burn moves the generation, failing a load in flight)."""
         holder = self.earmarks.pop(slot)
         self.policy.on_insert(slot)
-        self.withdrawn.setdefault(id(holder), []).append(slot)
+        if tell:
+            self.withdrawn.setdefault(id(holder), []).append(slot)
         if self.pins[slot]:
             self._burn_unpinned.add(slot)
         else:
@@ -146,10 +148,9 @@ class EarmarkTable:
         engine hands it back as unused (``unreserve``): the next grant of the slot would be
         at the same generation, so a store of this engine still waiting for it (a client
         that handed back a slot it used) would write another engine's slot."""
-        if self.earmarks.pop(slot, None) is None:
+        if slot not in self.earmarks:
             return False
-        self._burn(slot)
-        self.policy.on_insert(slot)
+        self.withdraw(slot, tell=False)
         return True
 
     def claim_earmark(self, ns: Namespace, key: bytes, slot: int, gen: int, end_token: int,

@@ -180,8 +180,20 @@ def test_earmarks_handed_back_or_revoked_are_burnt_their_blocks_kept(
     assert index.gen[a] == gen_a + 1 and index.gen[b] == gen_b + 1
     assert not index.earmarks and index.status(ns, key(0)) is KeyStatus.HIT
     assert index.status(ns, key(1)) is KeyStatus.HIT and a in index.policy
+    assert index.take_withdrawn(HOLDER) == []  # its engine knows: nothing to tell it
     granted = dict(index.reserve("engine-b", SLOTS)[0])  # every block, earmarked again
     assert granted[a] == gen_a + 2 and granted[b] == gen_b + 2  # never a grant given out
+
+
+def test_a_handed_back_earmark_that_is_loaded_is_burnt_after_the_load(
+        index: BlockIndex) -> None:
+    [(slot, gen)] = index.reserve(HOLDER, 1)[0]
+    index.pins[slot] += 1  # a load of its block in flight (as pin() counts it, earmark kept)
+    index.n_pinned += 1
+    index.unreserve(slot, fence_s=1.0)
+    assert index.gen[slot] == gen - 1  # the load's check still passes
+    index.unpin(slot)
+    assert index.gen[slot] == gen + 1
 
 
 def test_an_abort_before_the_handover_burns_and_keeps_the_slot_retired(
